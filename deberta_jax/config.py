@@ -1,0 +1,174 @@
+"""Model configuration: one frozen dataclass, validated once when it is built.
+
+The model code reads only `ModelConfig`; experiment configs (`configs/*.py`, ml_collections) are
+converted with `ModelConfig.from_dict`, and transformers checkpoints with `deberta_jax.hf`. Validation
+lives here so a bad sweep value fails at start-up with the field's name, not deep inside a jit trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+ATTENTION_VARIANTS = ("entangled", "disentangled")
+POS_ATT_TYPES = ("c2p", "p2c")
+NORM_REL_EBD = ("none", "layer_norm")
+ABSOLUTE_POSITION_POLICIES = ("strict", "untrained", "clip", "interpolate")
+DTYPES = ("float32", "bfloat16")
+ACTIVATIONS = ("gelu", "gelu_new", "relu")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _fail(field: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"model.{field}={value!r} is invalid: {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and position scheme of a masked-LM encoder.
+
+    `attention` is the attention *variant*:
+      - "entangled": BERT's single dot product; positions reach attention only through the input
+        (`position_biased_input=True` gives BERT, False gives a position-free "NoPE" encoder);
+      - "disentangled": DeBERTa's content-to-content plus the relative terms listed in `pos_att_type`.
+
+    Relative-position knobs (`position_buckets`, `max_relative_positions`, `share_att_key`,
+    `norm_rel_ebd`) follow transformers' DebertaV2Config names so checkpoints map one to one.
+    `clamp_relative_positions=True` (the official microsoft/DeBERTa behaviour and our default) clamps
+    `i - j` to `+-(max_relative_positions - 1)` before bucketing, so every distance, however long the
+    sequence, reads a trained row of the relative table. False reproduces transformers, which does not
+    clamp and so reads table row 0 (never trained) for `j - i >= max_relative_positions`.
+
+    `absolute_position_policy` says what the learned absolute table (BERT's input table, DeBERTa's EMD
+    table) does at positions `>= trained_length`: "strict" raises, "untrained" reads the rows that
+    exist past the training length (error past the table), "clip" repeats the last trained row,
+    "interpolate" stretches the trained rows over the longer sequence.
+    """
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "gelu"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-7
+    initializer_range: float = 0.02
+    type_vocab_size: int = 0
+
+    attention: str = "disentangled"
+    position_biased_input: bool = False
+    max_position_embeddings: int = 512
+    trained_length: int | None = None
+    absolute_position_policy: str = "strict"
+
+    pos_att_type: tuple[str, ...] = ("c2p", "p2c")
+    position_buckets: int = 256
+    max_relative_positions: int = 512
+    share_att_key: bool = True
+    norm_rel_ebd: str = "layer_norm"
+    clamp_relative_positions: bool = True
+
+    use_emd: bool = False
+    emd_layers: int = 2
+
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        # Accept lists and "c2p|p2c" strings (transformers' spelling) but store a sorted tuple so
+        # configs that mean the same thing compare and hash equal.
+        pos = self.pos_att_type
+        if isinstance(pos, str):
+            pos = [p for p in pos.lower().split("|") if p.strip()]
+        object.__setattr__(self, "pos_att_type", tuple(sorted(p.strip() for p in pos)))
+        self._validate()
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def relative_span(self) -> int:
+        """k: the relative table has 2k rows (k = buckets, or max_relative_positions without them)."""
+        return self.position_buckets if self.position_buckets > 0 else self.max_relative_positions
+
+    @property
+    def uses_absolute_table(self) -> bool:
+        return self.position_biased_input or self.use_emd
+
+    @property
+    def effective_trained_length(self) -> int:
+        return self.trained_length if self.trained_length is not None else self.max_position_embeddings
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            if int(getattr(self, name)) < 1:
+                _fail(name, getattr(self, name), "must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            _fail("num_heads", self.num_heads,
+                  f"must divide hidden_size={self.hidden_size}; pick a divisor such as "
+                  f"{[h for h in (1, 2, 4, 8, 12, 16) if self.hidden_size % h == 0]}")
+        if self.hidden_act not in ACTIVATIONS:
+            _fail("hidden_act", self.hidden_act, f"choose one of {ACTIVATIONS}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(name, getattr(self, name), "must be in [0, 1)")
+        if self.attention not in ATTENTION_VARIANTS:
+            _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
+        unknown = [p for p in self.pos_att_type if p not in POS_ATT_TYPES]
+        if unknown or len(set(self.pos_att_type)) != len(self.pos_att_type):
+            _fail("pos_att_type", self.pos_att_type,
+                  f"use a subset of {POS_ATT_TYPES} without repeats, e.g. ('c2p', 'p2c') or ('c2p',)")
+        if self.norm_rel_ebd not in NORM_REL_EBD:
+            _fail("norm_rel_ebd", self.norm_rel_ebd, f"choose one of {NORM_REL_EBD}")
+        if self.attention == "disentangled":
+            if self.max_relative_positions < 1:
+                _fail("max_relative_positions", self.max_relative_positions, "must be >= 1")
+            if self.position_buckets < 0 or self.position_buckets == 1:
+                _fail("position_buckets", self.position_buckets,
+                      "use 0 (no log-bucketing) or an integer >= 2")
+            if self.position_buckets > 0 and self.max_relative_positions <= self.position_buckets // 2 + 1:
+                _fail("max_relative_positions", self.max_relative_positions,
+                      f"must exceed position_buckets // 2 + 1 = {self.position_buckets // 2 + 1} "
+                      "for log-bucketing to be defined")
+        if self.max_position_embeddings < 1:
+            _fail("max_position_embeddings", self.max_position_embeddings, "must be >= 1")
+        if self.trained_length is not None and not 1 <= self.trained_length <= self.max_position_embeddings:
+            _fail("trained_length", self.trained_length,
+                  f"must be in [1, max_position_embeddings={self.max_position_embeddings}]")
+        if self.absolute_position_policy not in ABSOLUTE_POSITION_POLICIES:
+            _fail("absolute_position_policy", self.absolute_position_policy,
+                  f"choose one of {ABSOLUTE_POSITION_POLICIES}")
+        if self.use_emd:
+            if self.position_biased_input:
+                _fail("use_emd", self.use_emd,
+                      "EMD adds absolute positions before the MLM head and is only defined with "
+                      "position_biased_input=False (as in microsoft/DeBERTa)")
+            if self.emd_layers < 1:
+                _fail("emd_layers", self.emd_layers, "must be >= 1")
+        if self.type_vocab_size < 0:
+            _fail("type_vocab_size", self.type_vocab_size, "must be >= 0 (0 disables token types)")
+        if self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"choose one of {DTYPES}")
+
+    # ------------------------------------------------------------------ conversion
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a plain mapping (e.g. `config.model.to_dict()`), rejecting unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["pos_att_type"] = list(self.pos_att_type)
+        return d

@@ -1,0 +1,205 @@
+"""Masked-LM encoders: embeddings, post-LayerNorm encoder layers, tied MLM head, optional EMD.
+
+One class, `MaskedLM`, covers BERT (`attention="entangled"`, `position_biased_input=True`) and
+DeBERTa v2/v3 (`attention="disentangled"`, `position_biased_input=False`), plus every mix of the two
+that the ablations need, all selected by `ModelConfig`.
+
+Precision: parameters are float32; with `dtype="bfloat16"` matmuls run in bfloat16 while the residual
+stream, LayerNorm statistics, softmax and logits stay float32.
+
+Dropout is active exactly when `rngs` (an `nnx.Rngs` with a `dropout` stream) is passed, so a train
+step derives its dropout key from (seed, step) and a resumed run draws the same masks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from deberta_jax import positions
+from deberta_jax.attention import RelativeContext, SelfAttention
+from deberta_jax.config import ModelConfig
+from deberta_jax.layers import dense, layer_norm, table
+
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+class Embeddings(nnx.Module):
+    """Word (+ absolute position when `position_biased_input`) (+ token type), LayerNorm, dropout.
+
+    The absolute table also exists for EMD models, which read it before the MLM head instead.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.word_embeddings = table(cfg, cfg.vocab_size, rngs)
+        self.position_embeddings = table(cfg, cfg.max_position_embeddings, rngs) if cfg.uses_absolute_table else None
+        self.token_type_embeddings = table(cfg, cfg.type_vocab_size, rngs) if cfg.type_vocab_size else None
+        self.norm = layer_norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout)
+
+    def absolute(self, seq_len: int, policy: str) -> jax.Array:
+        """Absolute position rows `[N, hidden]` under the out-of-range `policy`."""
+        return positions.absolute_position_embeddings(
+            self.position_embeddings[...], seq_len, self.cfg.effective_trained_length, policy)
+
+    def __call__(self, input_ids, key_mask, token_type_ids, policy: str, rngs) -> jax.Array:
+        x = jnp.take(self.word_embeddings[...], input_ids, axis=0)
+        if self.cfg.position_biased_input:
+            x = x + self.absolute(input_ids.shape[1], policy)[None]
+        if self.token_type_embeddings is not None:
+            x = x + jnp.take(self.token_type_embeddings[...], token_type_ids, axis=0)
+        x = self.norm(x) * key_mask[..., None].astype(jnp.float32)
+        return self.dropout(x, deterministic=rngs is None, rngs=rngs)
+
+
+class EncoderLayer(nnx.Module):
+    """Post-LN transformer layer: attention -> add & norm -> MLP -> add & norm."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.attention = SelfAttention(cfg, rngs=rngs)
+        self.attention_out = dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        self.attention_norm = layer_norm(cfg, rngs)
+        self.intermediate = dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
+        self.output = dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
+        self.output_norm = layer_norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout)
+
+    def __call__(self, hidden, key_mask, rel=None, query_states=None, rngs=None) -> jax.Array:
+        residual = hidden if query_states is None else query_states
+        drop = lambda x: self.dropout(x, deterministic=rngs is None, rngs=rngs)  # noqa: E731
+        ctx = self.attention(hidden, key_mask, rel, query_states=query_states, rngs=rngs)
+        att = self.attention_norm(drop(self.attention_out(ctx)).astype(jnp.float32) + residual)
+        mlp = self.output(ACTIVATIONS[self.cfg.hidden_act](self.intermediate(att)))
+        return self.output_norm(drop(mlp).astype(jnp.float32) + att)
+
+
+class Encoder(nnx.Module):
+    """The layer stack and, for disentangled attention, the shared relative-position table."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.layers = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        relative = cfg.attention == "disentangled"
+        self.rel_embeddings = table(cfg, 2 * cfg.relative_span, rngs) if relative else None
+        self.rel_norm = layer_norm(cfg, rngs) if relative and cfg.norm_rel_ebd == "layer_norm" else None
+
+    def relative_context(self, seq_len: int) -> RelativeContext | None:
+        """Reachable relative rows (normalized) and the index into them for length `seq_len`."""
+        cfg = self.cfg
+        if cfg.attention != "disentangled":
+            return None
+        kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
+                  clamp=cfg.clamp_relative_positions)
+        index = positions.relative_index(seq_len, seq_len, **kw)
+        lo, hi = positions.relative_rows_used(seq_len, seq_len, **kw)
+        table = self.rel_embeddings[...][lo:hi]
+        if self.rel_norm is not None:
+            table = self.rel_norm(table)  # row-wise, so normalizing a slice equals slicing the normalized table
+        return RelativeContext(embeddings=table, index=np.asarray(index - lo))
+
+    def __call__(self, hidden, key_mask, rel, rngs=None, num_layers: int | None = None) -> jax.Array:
+        """Run the first `num_layers` layers (all by default)."""
+        for layer in self.layers[: self.cfg.num_layers if num_layers is None else num_layers]:
+            hidden = layer(hidden, key_mask, rel, rngs=rngs)
+        return hidden
+
+
+class MaskedLM(nnx.Module):
+    """Encoder with the MLM head tied to the word embeddings (and DeBERTa's EMD when `use_emd`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg, rngs=rngs)
+        self.encoder = Encoder(cfg, rngs=rngs)
+        self.head_dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        self.head_norm = layer_norm(cfg, rngs)
+        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None,
+               absolute_position_policy: str | None = None) -> jax.Array:
+        """Final hidden states `[B, N, hidden]` (float32) that the MLM head reads."""
+        cfg = self.cfg
+        input_ids, key_mask, token_type_ids = check_inputs(cfg, input_ids, attention_mask, token_type_ids)
+        policy = absolute_position_policy or cfg.absolute_position_policy
+        seq_len = input_ids.shape[1]
+        rel = self.encoder.relative_context(seq_len)
+        hidden = self.embeddings(input_ids, key_mask, token_type_ids, policy, rngs)
+        if not cfg.use_emd:
+            return self.encoder(hidden, key_mask, rel, rngs=rngs)
+        # EMD (microsoft/DeBERTa): keys/values are the input of the last layer; the query starts from
+        # absolute positions plus that input and is refined by re-applying the last layer's weights.
+        # The last layer's ordinary output is not used by the MLM loss, so it is not computed.
+        hidden = self.encoder(hidden, key_mask, rel, rngs=rngs, num_layers=cfg.num_layers - 1)
+        query = self.embeddings.absolute(seq_len, policy)[None] + hidden
+        last = self.encoder.layers[cfg.num_layers - 1]
+        for _ in range(cfg.emd_layers):
+            query = last(hidden, key_mask, rel, query_states=query, rngs=rngs)
+        return query
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Transform (dense, activation, LayerNorm) then tied decoder; logits in float32."""
+        x = self.head_norm(ACTIVATIONS[self.cfg.hidden_act](self.head_dense(hidden)))
+        words = self.embeddings.word_embeddings[...].astype(self.cfg.dtype)
+        logits = jnp.einsum("bnh,vh->bnv", x.astype(self.cfg.dtype), words, preferred_element_type=jnp.float32)
+        return logits + self.head_bias[...]
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None,
+                 absolute_position_policy: str | None = None) -> jax.Array:
+        """MLM logits `[B, N, vocab]`; dropout only when `rngs` is given."""
+        return self.head(self.encode(input_ids, attention_mask, token_type_ids, rngs=rngs,
+                                     absolute_position_policy=absolute_position_policy))
+
+    def mlm_logits(self, input_ids, attention_mask=None, token_type_ids=None) -> jax.Array:
+        """Deterministic MLM logits (the public contract used with `hf.load`)."""
+        return self(input_ids, attention_mask, token_type_ids)
+
+
+def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):
+    """Validate dtypes, shapes and (when the values are concrete) id ranges; fill defaults.
+
+    Errors name the argument and the fix. Under `jit` only static properties can be checked; the
+    range checks run whenever the arrays are concrete (eager calls, `mlm_logits`).
+    """
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must have shape [batch, seq_len]; got shape {input_ids.shape}. "
+                         "Add a batch axis with input_ids[None] for a single sequence.")
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"input_ids must be an integer array; got dtype {input_ids.dtype}. "
+                        "Pass token ids, e.g. np.asarray(ids, dtype=np.int32).")
+    if input_ids.shape[1] < 1:
+        raise ValueError("input_ids has seq_len 0; pass at least one token")
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    attention_mask = jnp.asarray(attention_mask)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {input_ids.shape}; "
+                         f"got {attention_mask.shape}")
+    if not (jnp.issubdtype(attention_mask.dtype, jnp.integer) or attention_mask.dtype == jnp.bool_):
+        raise TypeError(f"attention_mask must be int or bool (1/True = real token); got dtype {attention_mask.dtype}")
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    token_type_ids = jnp.asarray(token_type_ids)
+    if token_type_ids.shape != input_ids.shape:
+        raise ValueError(f"token_type_ids must have the shape of input_ids {input_ids.shape}; "
+                         f"got {token_type_ids.shape}")
+    if not isinstance(input_ids, jax.core.Tracer):
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got values in "
+                             f"[{lo}, {hi}]. Check that the tokenizer matches the model's vocabulary.")
+    if not isinstance(attention_mask, jax.core.Tracer):
+        if not bool(jnp.all((attention_mask == 0) | (attention_mask == 1))):
+            raise ValueError("attention_mask must contain only 0 (padding) and 1 (real token)")
+    if not isinstance(token_type_ids, jax.core.Tracer) and cfg.type_vocab_size:
+        if int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= cfg.type_vocab_size:
+            raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size})")
+    return input_ids, attention_mask, token_type_ids
