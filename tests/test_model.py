@@ -1,0 +1,134 @@
+"""Model behaviour: padding invariance, long sequences, EMD, precision and input validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deberta_jax.config import ConfigError, ModelConfig
+from deberta_jax.model import MaskedLM
+from deberta_jax.positions import PositionRangeError
+
+BASE = dict(vocab_size=60, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=32)
+VARIANTS = {
+    "bert": dict(BASE, attention="entangled", position_biased_input=True, layer_norm_eps=1e-12),
+    "deberta": dict(BASE, position_buckets=8, max_relative_positions=16),
+    "deberta_emd": dict(BASE, position_buckets=8, max_relative_positions=16, use_emd=True),
+    "deberta_no_buckets_separate": dict(BASE, position_buckets=0, max_relative_positions=8, share_att_key=False),
+}
+
+
+def build(name, **kw):
+    return MaskedLM(ModelConfig(**dict(VARIANTS[name], **kw)), rngs=nnx.Rngs(0))
+
+
+def ids(b, n, seed=0):
+    return np.random.default_rng(seed).integers(5, 60, size=(b, n)).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_appending_padding_does_not_change_real_tokens(name):
+    model = build(name)
+    x = ids(2, 12)
+    base = model.mlm_logits(x, np.ones_like(x))
+    padded = np.concatenate([x, np.zeros((2, 7), np.int32)], axis=1)
+    mask = np.concatenate([np.ones_like(x), np.zeros((2, 7), np.int32)], axis=1)
+    out = model.mlm_logits(padded, mask)
+    np.testing.assert_allclose(out[:, :12], base, atol=2e-5)
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+def test_disentangled_runs_far_beyond_max_relative_positions(clamp):
+    model = build("deberta", clamp_relative_positions=clamp, max_position_embeddings=16)
+    out = model.mlm_logits(ids(1, 100), np.ones((1, 100), np.int32))
+    assert out.shape == (1, 100, 60) and np.isfinite(np.asarray(out)).all()
+
+
+def test_absolute_table_beyond_training_length_follows_policy():
+    model = build("bert", trained_length=16)
+    x = ids(1, 24)
+    with pytest.raises(PositionRangeError, match="policy"):
+        model.mlm_logits(x)
+    for policy in ("untrained", "clip", "interpolate"):
+        out = model(x, absolute_position_policy=policy)
+        assert np.isfinite(np.asarray(out)).all()
+    with pytest.raises(PositionRangeError, match="table"):
+        model(ids(1, 40), absolute_position_policy="untrained")
+    assert np.isfinite(np.asarray(model(ids(1, 40), absolute_position_policy="clip"))).all()
+
+
+def test_emd_changes_outputs_and_uses_the_absolute_table():
+    plain, emd = build("deberta"), build("deberta_emd")
+    assert plain.embeddings.position_embeddings is None
+    assert emd.embeddings.position_embeddings is not None
+    x = ids(1, 10)
+    # Same seed, same parameters apart from the extra table, different head input.
+    assert not np.allclose(plain.mlm_logits(x), emd.mlm_logits(x))
+    with pytest.raises(PositionRangeError):
+        build("deberta_emd", trained_length=16).mlm_logits(ids(1, 20))
+
+
+def test_dropout_only_with_rngs_and_gradients_finite():
+    model = build("deberta")
+    x = ids(2, 10)
+    np.testing.assert_array_equal(model(x), model(x))
+    assert not np.allclose(model(x, rngs=nnx.Rngs(dropout=1)), model(x))
+
+    def loss(m):
+        return jnp.mean(jax.nn.log_softmax(m(x, rngs=nnx.Rngs(dropout=0)))[..., 7])
+
+    grads = nnx.grad(loss)(model)
+    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+
+
+@pytest.mark.parametrize("name", ["bert", "deberta"])
+def test_bfloat16_compute_is_close_to_float32(name):
+    f32 = build(name)
+    bf16 = build(name, dtype="bfloat16")
+    x = ids(2, 16)
+    a, b = f32.mlm_logits(x), bf16.mlm_logits(x)
+    assert b.dtype == jnp.float32
+    assert float(jnp.abs(a - b).max()) < 0.1
+    assert jax.tree.leaves(nnx.state(bf16, nnx.Param))[0].dtype == jnp.float32
+
+
+def test_bad_inputs_name_the_argument():
+    model = build("deberta")
+    x = ids(2, 8)
+    with pytest.raises(TypeError, match="input_ids must be an integer"):
+        model.mlm_logits(x.astype(np.float32))
+    with pytest.raises(ValueError, match=r"input_ids\[None\]"):
+        model.mlm_logits(x[0])
+    with pytest.raises(ValueError, match="attention_mask must have the shape"):
+        model.mlm_logits(x, np.ones((2, 9), np.int32))
+    with pytest.raises(TypeError, match="attention_mask must be int or bool"):
+        model.mlm_logits(x, np.ones((2, 8), np.float32))
+    with pytest.raises(ValueError, match="vocab_size=60"):
+        model.mlm_logits(x + 100)
+    with pytest.raises(ValueError, match="only 0"):
+        model.mlm_logits(x, np.full((2, 8), 2, np.int32))
+
+
+@pytest.mark.parametrize("field,value,fix", [
+    ("num_heads", 5, "must divide hidden_size"),
+    ("pos_att_type", ("c2p", "p2p"), "subset of"),
+    ("attention", "sparse", "choose one of"),
+    ("absolute_position_policy", "wrap", "choose one of"),
+    ("norm_rel_ebd", "rms", "choose one of"),
+    ("dtype", "float16", "choose one of"),
+])
+def test_bad_config_names_field_and_fix(field, value, fix):
+    with pytest.raises(ConfigError, match=rf"model\.{field}=.*{fix}"):
+        ModelConfig(**dict(VARIANTS["deberta"], **{field: value}))
+
+
+def test_pos_att_type_spellings_are_equivalent():
+    a = ModelConfig(**dict(VARIANTS["deberta"], pos_att_type="p2c|c2p"))
+    b = ModelConfig(**dict(VARIANTS["deberta"], pos_att_type=["c2p", "p2c"]))
+    assert a == b and a.pos_att_type == ("c2p", "p2c")
+    with pytest.raises(ConfigError, match="unknown model field"):
+        ModelConfig.from_dict(dict(dataclasses.asdict(a), heads=3))
