@@ -1,0 +1,1 @@
+"""deberta-jax: entangled (BERT) vs disentangled (DeBERTa) attention in JAX/Flax NNX."""
