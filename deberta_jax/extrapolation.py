@@ -1,0 +1,168 @@
+"""The length-extrapolation study: models x datasets x policies x lengths x protocols -> records.
+
+`eval.py` is the command line around `run_study`; the sweep runner calls it too. Each model is
+scored on one tokenized corpus per dataset, at lengths derived from its own training length, once per
+applicable out-of-range policy for its absolute table (a model without one gets policy "none").
+Combinations a policy refuses (e.g. "strict" past the training length) become `skipped` entries with
+the reason instead of values, so no NaN ever reaches a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from deberta_jax import evaluation
+from deberta_jax.config import ABSOLUTE_POSITION_POLICIES
+from deberta_jax.data import MIN_SEQ_LEN
+
+DEFAULT_MULTIPLES = (1, 2, 4, 8)
+DEFAULT_EXTRA = (16, 64)
+PROTOCOLS = ("chunked", "fixed_target")
+
+
+@dataclasses.dataclass
+class EvalModel:
+    """A model under evaluation and what is needed to label its results."""
+
+    label: str  # runs differing only in seed share a label
+    seed: int | str
+    source: str  # workdir or checkpoint path
+    model: object  # MaskedLM
+    tokenizer: object
+    train_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySettings:
+    multiples: tuple[int, ...] = DEFAULT_MULTIPLES
+    extra: tuple[int, ...] = DEFAULT_EXTRA
+    lengths: tuple[int, ...] = ()  # explicit lengths, used instead of multiples/extra when given
+    policies: tuple[str, ...] = ("untrained", "clip", "interpolate")
+    protocols: tuple[str, ...] = PROTOCOLS
+    mask_seed: int = 0
+    tokens_per_batch: int = 16384
+    max_eval_tokens: int = 0  # 0 = the whole stream
+    num_targets: int = 64
+    span: int = 0  # fixed-target span; 0 = train_len // 4
+    bootstrap: int = 1000
+    buckets_per_train_len: int = 8
+
+    def __post_init__(self):
+        for p in self.policies:
+            if p not in ABSOLUTE_POSITION_POLICIES:
+                raise ValueError(f"--policies: unknown policy {p!r}; choose from {ABSOLUTE_POSITION_POLICIES}")
+        for p in self.protocols:
+            if p not in PROTOCOLS:
+                raise ValueError(f"--protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
+        for n in self.lengths:
+            if n < MIN_SEQ_LEN:
+                raise ValueError(f"--lengths: {n} is too short; every length must be >= {MIN_SEQ_LEN} "
+                                 "([CLS] + tokens + [SEP])")
+        if any(m <= 0 for m in self.multiples):
+            raise ValueError("--multiples must be positive")
+
+    def lengths_for(self, train_len: int) -> list[int]:
+        if self.lengths:
+            return sorted(set(self.lengths))
+        return sorted({train_len * m for m in self.multiples} | {train_len + e for e in self.extra})
+
+
+def policies_for(model, requested: Sequence[str]) -> list[str]:
+    return list(requested) if model.cfg.uses_absolute_table else ["none"]
+
+
+def refusal(model, policy: str, eval_len: int, train_len: int) -> str | None:
+    """Why `policy` cannot score `eval_len` (None when it can); mirrors `positions` without running it."""
+    if not model.cfg.uses_absolute_table or eval_len <= train_len:
+        return None
+    table = model.cfg.max_position_embeddings
+    if policy == "strict":
+        return f"strict policy: positions >= training length {train_len} are refused"
+    if policy == "untrained" and eval_len > table:
+        return f"untrained policy: the absolute table has only {table} rows"
+    return None
+
+
+def _records(em: EvalModel, sums: evaluation.Sums, resamples: np.ndarray, **key) -> list[dict]:
+    """Overall loss/accuracy/perplexity with bootstrap intervals, plus loss/accuracy per position bucket."""
+    base = dict(model=em.label, seed=em.seed, source=em.source, train_len=em.train_len,
+                multiple=key["eval_len"] / em.train_len, **key)
+    out = []
+    for metric, num, transform in (("loss", sums.loss_doc, None), ("accuracy", sums.correct_doc, None),
+                                   ("perplexity", sums.loss_doc, np.exp)):
+        value = sums.loss if metric != "accuracy" else sums.accuracy
+        value = math.exp(value) if metric == "perplexity" else value
+        lo, hi = evaluation.bootstrap_ratio_ci(num, sums.count_doc, resamples, transform or (lambda x: x))
+        out.append(dict(base, bucket="all", metric=metric, value=value, ci_low=lo, ci_high=hi, n_tokens=sums.count))
+    for b in np.nonzero(sums.count_bucket)[0]:
+        n = int(sums.count_bucket[b])
+        start = int(b) * sums.bucket_width
+        out.append(dict(base, bucket=start, metric="loss", value=float(sums.loss_bucket[b] / n),
+                        ci_low=None, ci_high=None, n_tokens=n))
+        out.append(dict(base, bucket=start, metric="accuracy", value=float(sums.correct_bucket[b] / n),
+                        ci_low=None, ci_high=None, n_tokens=n))
+    return out
+
+
+def add_relative_change(records: list[dict]) -> list[dict]:
+    """`loss_change_vs_1x`: loss minus the same model's loss at its training length (chunked)."""
+    at_1x = {(r["model"], r["seed"], r["policy"], r["dataset"]): r["value"] for r in records
+             if r["protocol"] == "chunked" and r["bucket"] == "all" and r["metric"] == "loss"
+             and r["eval_len"] == r["train_len"]}
+    extra = []
+    for r in records:
+        key = (r["model"], r["seed"], r["policy"], r["dataset"])
+        if r["protocol"] == "chunked" and r["bucket"] == "all" and r["metric"] == "loss" and key in at_1x:
+            extra.append(dict(r, metric="loss_change_vs_1x", value=r["value"] - at_1x[key], ci_low=None, ci_high=None))
+    return records + extra
+
+
+def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings):
+    """Score every model on every dataset; returns (records, skipped)."""
+    records, skipped = [], []
+    corpora: dict[tuple[str, str], evaluation.EvalCorpus] = {}
+    for em in models:
+        lengths = settings.lengths_for(em.train_len)
+        bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)
+        span = settings.span or max(em.train_len // 4, 1)
+        for dataset, documents in datasets.items():
+            key = (dataset, em.tokenizer.to_str())
+            if key not in corpora:
+                corpus = evaluation.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
+                if settings.max_eval_tokens:
+                    corpus = evaluation.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
+                                                           corpus.special, settings.mask_seed)
+                corpora[key] = corpus
+            corpus = corpora[key]
+            if len(corpus.tokens) < max(lengths) - 2:
+                raise ValueError(
+                    f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
+                    f"{max(lengths)}; pass a longer eval text or fewer/smaller --multiples / --lengths")
+            resamples = evaluation.document_resamples(corpus.num_docs, settings.bootstrap)
+            starts = (evaluation.target_starts(corpus, max(lengths), span, settings.num_targets)
+                      if "fixed_target" in settings.protocols else None)
+            for policy in policies_for(em.model, settings.policies):
+                scorer = evaluation.make_scorer(em.model, None if policy == "none" else policy)
+                for eval_len in lengths:
+                    reason = refusal(em.model, policy, eval_len, em.train_len)
+                    common = dict(policy=policy, dataset=dataset, eval_len=eval_len)
+                    if reason:
+                        skipped.append(dict(model=em.label, seed=em.seed, **common, reason=reason))
+                        continue
+                    batch = max(1, settings.tokens_per_batch // eval_len)
+                    desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
+                    if "chunked" in settings.protocols:
+                        sums = evaluation.score_windows(scorer, corpus, evaluation.chunked_windows(corpus, eval_len),
+                                                        batch, bucket_width, desc)
+                        records += _records(em, sums, resamples, protocol="chunked", offset=None, **common)
+                    if starts is not None:
+                        for offset in evaluation.default_offsets(em.train_len, eval_len, span):
+                            windows = evaluation.fixed_target_windows(corpus, eval_len, offset, starts, span)
+                            sums = evaluation.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
+                            records += [r for r in _records(em, sums, resamples, protocol="fixed_target",
+                                                            offset=offset, **common) if r["bucket"] == "all"]
+    return add_relative_change(records), skipped

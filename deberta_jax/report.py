@@ -1,0 +1,198 @@
+"""Turning evaluation records into results files, a Markdown summary and plots.
+
+Records are flat dicts in long format (one value per model, seed, policy, protocol, dataset, train
+length, eval length, offset, position bucket and metric), so any table or plot is a filter and a
+group-by. Runs that differ only in seed share a `model` label; `aggregate_seeds` adds records with
+`seed="mean"` holding the mean over seeds and a 95% t-interval (or, for a single seed, that run's
+bootstrap interval over documents).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
+FIELDS = ("model", "seed", "source", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
+          "offset", "bucket", "metric", "value", "ci_low", "ci_high", "n_tokens", "n_seeds")
+# Two-sided 97.5% Student-t quantiles for 1..10 degrees of freedom; normal beyond.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def aggregate_seeds(records: Sequence[dict]) -> list[dict]:
+    """Mean over seeds (and a 95% interval) for every key; one record per key."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[tuple(r.get(k) for k in KEY_FIELDS)].append(r)
+    out = []
+    for rows in groups.values():
+        values = np.array([r["value"] for r in rows], dtype=np.float64)
+        mean = float(values.mean())
+        if len(rows) > 1:
+            half = _T975.get(len(rows) - 1, 1.96) * float(values.std(ddof=1)) / math.sqrt(len(rows))
+            lo, hi = mean - half, mean + half
+        else:
+            lo, hi = rows[0].get("ci_low"), rows[0].get("ci_high")
+        out.append(dict(rows[0], seed="mean", value=mean, ci_low=lo, ci_high=hi,
+                        n_tokens=int(sum(r["n_tokens"] for r in rows)), n_seeds=len(rows),
+                        source=";".join(sorted({str(r["source"]) for r in rows}))))
+    return out
+
+
+def check_finite(records: Iterable[dict]) -> None:
+    """Refuse to write a result containing NaN or inf: a silent NaN is a wrong result."""
+    for r in records:
+        for field in ("value", "ci_low", "ci_high"):
+            v = r.get(field)
+            if v is not None and not math.isfinite(v):
+                raise FloatingPointError(f"non-finite {field} in record {r}")
+
+
+def write_results(records: Sequence[dict], skipped: Sequence[dict], out_dir: str) -> None:
+    """`results.json` (records + skipped combinations with reasons) and `results.csv`."""
+    check_finite(records)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"records": list(records), "skipped": list(skipped)}, f, indent=1)
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def _select(records, **where):
+    return [r for r in records if all(r.get(k) == v for k, v in where.items())]
+
+
+def _fmt(r: dict | None, digits: int = 3) -> str:
+    if r is None:
+        return "–"
+    if r.get("ci_low") is None:
+        return f"{r['value']:.{digits}f}"
+    return f"{r['value']:.{digits}f} [{r['ci_low']:.{digits}f}, {r['ci_high']:.{digits}f}]"
+
+
+def _length_label(r: dict) -> str:
+    extra = r["eval_len"] - r["train_len"]
+    if r["eval_len"] % r["train_len"] == 0:
+        return f"{r['eval_len'] // r['train_len']}x"
+    return f"L{extra:+d}"
+
+
+def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict]) -> str:
+    """Chunked-protocol tables (loss, accuracy by eval length) and fixed-target tables (loss by offset)."""
+    lines = ["# Length extrapolation", "",
+             "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed).",
+             "Lengths are multiples of each model's training length L, or L plus a few tokens.", ""]
+    overall = [r for r in mean_records if r["bucket"] == "all"]
+    for dataset in sorted({r["dataset"] for r in overall}):
+        rows = _select(overall, dataset=dataset, protocol="chunked")
+        if rows:
+            by_ratio = sorted({(r["eval_len"] / r["train_len"], _length_label(r)) for r in rows})
+            labels = list(dict.fromkeys(label for _, label in by_ratio))
+            for metric in ("loss", "accuracy"):
+                lines += [f"## {dataset}: chunked, masked-token {metric}", "",
+                          "| model | policy | L | " + " | ".join(labels) + " |",
+                          "|---|---|---|" + "---|" * len(labels)]
+                for model, policy in sorted({(r["model"], r["policy"]) for r in rows}):
+                    sel = _select(rows, model=model, policy=policy, metric=metric)
+                    by_label = {_length_label(r): r for r in sel}
+                    train_len = sel[0]["train_len"] if sel else "?"
+                    lines.append(f"| {model} | {policy} | {train_len} | "
+                                 + " | ".join(_fmt(by_label.get(lab)) for lab in labels) + " |")
+                lines.append("")
+        rows = _select(overall, dataset=dataset, protocol="fixed_target", metric="loss")
+        if rows:
+            offsets = sorted({r["offset"] for r in rows})
+            lines += [f"## {dataset}: fixed-target loss by offset of the target span", "",
+                      "| model | policy | eval length | " + " | ".join(f"offset {o}" for o in offsets) + " |",
+                      "|---|---|---|" + "---|" * len(offsets)]
+            for model, policy, eval_len in sorted({(r["model"], r["policy"], r["eval_len"]) for r in rows}):
+                sel = {r["offset"]: r for r in _select(rows, model=model, policy=policy, eval_len=eval_len)}
+                lines.append(f"| {model} | {policy} | {eval_len} | "
+                             + " | ".join(_fmt(sel.get(o)) for o in offsets) + " |")
+            lines.append("")
+    if skipped:
+        lines += ["## Not evaluated", ""]
+        seen = set()
+        for s in skipped:
+            key = (s["model"], s["policy"], s["eval_len"], s["reason"])
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {s['model']} / {s['policy']} at length {s['eval_len']}: {s['reason']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
+    """Loss vs eval/train length (log2 x, interval bands) and loss by position per eval length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for dataset in sorted({r["dataset"] for r in mean_records}):
+        rows = _select(mean_records, dataset=dataset, protocol="chunked", metric="loss")
+        overall = [r for r in rows if r["bucket"] == "all"]
+        if not overall:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for model, policy in sorted({(r["model"], r["policy"]) for r in overall}):
+            sel = sorted(_select(overall, model=model, policy=policy), key=lambda r: r["eval_len"])
+            x = np.array([r["eval_len"] / r["train_len"] for r in sel])
+            y = np.array([r["value"] for r in sel])
+            label = model if policy == "none" else f"{model} ({policy})"
+            (line,) = ax.plot(x, y, marker="o", label=label)
+            if all(r.get("ci_low") is not None for r in sel):
+                ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel],
+                                color=line.get_color(), alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("eval length / training length")
+        ax.set_ylabel("masked-token loss (nats)")
+        ax.set_title(f"Length extrapolation on {dataset} (chunked)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"loss_vs_length_{_slug(dataset)}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+        curves = sorted({(r["model"], r["policy"]) for r in rows if r["bucket"] != "all"})
+        if not curves:
+            continue
+        cols = min(len(curves), 4)
+        nrows = -(-len(curves) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False, sharey=True)
+        for ax, (model, policy) in zip(axes.flat, curves):
+            sel = [r for r in _select(rows, model=model, policy=policy) if r["bucket"] != "all"]
+            for eval_len in sorted({r["eval_len"] for r in sel}):
+                pts = sorted(_select(sel, eval_len=eval_len), key=lambda r: r["bucket"])
+                ax.plot([r["bucket"] / r["train_len"] for r in pts], [r["value"] for r in pts],
+                        label=f"N={eval_len}")
+            ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+            ax.set_title(model if policy == "none" else f"{model} ({policy})", fontsize=9)
+            ax.set_xlabel("position in window / training length")
+        for ax in axes.flat[len(curves):]:
+            ax.set_visible(False)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("masked-token loss")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"Loss by position on {dataset}; dashed line = training length")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"loss_by_position_{_slug(dataset)}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_")

@@ -1,0 +1,126 @@
+"""Length-extrapolation evaluation: fixed targets, window layouts, policies, outputs, bad input."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from deberta_jax import evaluation, extrapolation, report
+from deberta_jax.config import ModelConfig
+from deberta_jax.data import pack_stream
+from deberta_jax.model import MaskedLM
+from deberta_jax.text import load_documents
+from deberta_jax.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return load_documents("../shared/data/brown/valid.txt")[:8]
+
+
+@pytest.fixture(scope="module")
+def tok(docs):
+    return train_tokenizer(docs, 400)
+
+
+@pytest.fixture(scope="module")
+def corpus(docs, tok):
+    return evaluation.build_corpus(docs, tok, seed=0)
+
+
+def tiny(tok, **kw):
+    cfg = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+               max_position_embeddings=32, trained_length=16, position_buckets=8, max_relative_positions=16)
+    return MaskedLM(ModelConfig(**dict(cfg, **kw)), rngs=nnx.Rngs(0))
+
+
+def scored_positions(windows):
+    return np.sort(windows.stream_pos[windows.weights > 0])
+
+
+def test_targets_are_fixed_per_position_and_identical_across_lengths(corpus, docs, tok):
+    again = evaluation.build_corpus(docs, tok, seed=0)
+    np.testing.assert_array_equal(again.targets, corpus.targets)
+    assert 0.12 < corpus.targets.mean() < 0.18
+    assert not corpus.targets[np.isin(corpus.tokens, corpus.special.all)].any()
+    expected = np.nonzero(corpus.targets)[0]
+    for n in (16, 24, 64, 128):
+        np.testing.assert_array_equal(scored_positions(evaluation.chunked_windows(corpus, n)), expected)
+
+
+def test_chunked_windows_use_the_training_packing(corpus):
+    w = evaluation.chunked_windows(corpus, 16)
+    ids, mask = pack_stream(corpus.tokens, corpus.special, 16)
+    np.testing.assert_array_equal(w.attention_mask, mask)
+    np.testing.assert_array_equal(np.where(w.weights > 0, ids, w.input_ids), ids)
+    assert (w.input_ids[w.weights > 0] == corpus.special.mask).all()
+    np.testing.assert_array_equal(w.labels[w.weights > 0], corpus.tokens[w.stream_pos[w.weights > 0]])
+
+
+def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
+    span = 8
+    starts = evaluation.target_starts(corpus, 128, span, 32)
+    reference = None
+    for n in (16, 32, 128):
+        for offset in evaluation.default_offsets(16, n, span):
+            w = evaluation.fixed_target_windows(corpus, n, offset, starts, span)
+            got = scored_positions(w)
+            reference = got if reference is None else reference
+            np.testing.assert_array_equal(got, reference)
+            cols = np.nonzero(w.weights.any(axis=0))[0]
+            assert cols.min() >= 1 + offset and cols.max() < 1 + offset + span
+    assert len(reference) > 10
+
+
+def test_policies_are_reported_not_silently_nan(docs, tok):
+    bert = tiny(tok, attention="entangled", position_biased_input=True)
+    models = [extrapolation.EvalModel("bert", 0, "a", bert, tok, 16)]
+    settings = extrapolation.StudySettings(lengths=(16, 32, 64), policies=("strict", "untrained", "clip", "interpolate"),
+                                           protocols=("chunked",), bootstrap=50)
+    records, skipped = extrapolation.run_study(models, {"d": docs}, settings)
+    evaluated = {(r["policy"], r["eval_len"]) for r in records if r["metric"] == "loss" and r["bucket"] == "all"}
+    assert evaluated == {("strict", 16), ("untrained", 16), ("untrained", 32), ("clip", 16), ("clip", 32),
+                         ("clip", 64), ("interpolate", 16), ("interpolate", 32), ("interpolate", 64)}
+    reasons = {(s["policy"], s["eval_len"]): s["reason"] for s in skipped}
+    assert set(reasons) == {("strict", 32), ("strict", 64), ("untrained", 64)}
+    assert "32 rows" in reasons[("untrained", 64)]
+    assert all(math.isfinite(r["value"]) for r in records)
+    # Within the training length every policy reads the same trained rows.
+    at_16 = {r["policy"]: r["value"] for r in records if r["eval_len"] == 16 and r["metric"] == "loss" and r["bucket"] == "all"}
+    assert max(at_16.values()) - min(at_16.values()) < 1e-6
+
+
+def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
+    models = [extrapolation.EvalModel("deb", s, f"w{s}", tiny(tok), tok, 16) for s in (0, 1)]
+    models[1].model = tiny(tok, initializer_range=0.03)
+    settings = extrapolation.StudySettings(multiples=(1, 2), extra=(16,), num_targets=8, bootstrap=50)
+    records, skipped = extrapolation.run_study(models, {"brown/valid": docs}, settings)
+    means = report.aggregate_seeds(records)
+    report.write_results(records + means, skipped, str(tmp_path))
+    data = json.loads((tmp_path / "results.json").read_text())
+    loaded = data["records"]
+    assert {r["protocol"] for r in loaded} == {"chunked", "fixed_target"}
+    assert {r["metric"] for r in loaded} >= {"loss", "accuracy", "perplexity", "loss_change_vs_1x"}
+    mean_loss = [r for r in loaded if r["seed"] == "mean" and r["metric"] == "loss" and r["bucket"] == "all"
+                 and r["protocol"] == "chunked"]
+    assert mean_loss and all(r["n_seeds"] == 2 and r["ci_low"] <= r["value"] <= r["ci_high"] for r in mean_loss)
+    for r in loaded:
+        for field in ("value", "ci_low", "ci_high"):
+            assert r[field] is None or math.isfinite(r[field])
+    csv_lines = (tmp_path / "results.csv").read_text().splitlines()
+    assert len(csv_lines) == len(loaded) + 1 and "nan" not in (tmp_path / "results.csv").read_text().lower()
+    summary = report.markdown_summary(means, skipped)
+    assert "| deb | none | 16 |" in summary
+    assert len(report.plot_all(means, str(tmp_path))) == 2
+
+
+def test_bad_settings_and_short_text_fail_clearly(tok):
+    with pytest.raises(ValueError, match="--lengths"):
+        extrapolation.StudySettings(lengths=(1,))
+    with pytest.raises(ValueError, match="unknown policy"):
+        extrapolation.StudySettings(policies=("wrap",))
+    models = [extrapolation.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
+    with pytest.raises(ValueError, match="shorter than the longest eval length"):
+        extrapolation.run_study(models, {"d": ["just a few words here"]}, extrapolation.StudySettings(protocols=("chunked",)))
