@@ -1,12 +1,13 @@
-"""Self-attention: the entangled (BERT) and disentangled (DeBERTa) score functions, and the module.
+"""Self-attention: the score functions of every attention variant, the softmax kernel, and the module.
 
 The *variant* (how scores are made) is separate from the *kernel* (how masked scores become a
 context vector): `entangled_scores` and `disentangled_scores` are pure functions of projected
 tensors, and `dense_attention` turns scores into outputs. The three DeBERTa terms live in one place,
-`disentangled_scores`.
+`disentangled_scores`. The literature baselines reuse the dot product: RoPE rotates q and k first
+(`positions.apply_rope`), ALiBi and T5 add a position bias to it.
 
 Layout: queries/keys/values are `[B, H, N, d]`; projected relative tables are `[H, R, d]` where R is
-the number of relative-table rows this sequence length can reach (see `RelativeContext`).
+the number of relative-table rows this sequence length can reach (see `PositionContext`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from deberta_jax import positions
 from deberta_jax.config import ModelConfig
 from deberta_jax.layers import dense
 
@@ -26,16 +28,23 @@ NEG_INF = float(np.finfo(np.float32).min)
 
 
 @dataclasses.dataclass(frozen=True)
-class RelativeContext:
-    """What every disentangled layer needs about positions, built once per forward pass.
+class PositionContext:
+    """What the embeddings and every attention layer need about positions, built once per forward pass.
 
-    `embeddings` are the (LayerNorm'd) relative-table rows `[R, hidden]` that the current length can
-    reach, and `index[i, j]` (numpy, `[N, N]`) points into those R rows. Projecting only reachable
-    rows keeps short sequences from paying for the whole 2k-row table.
+    - `position_ids` `[1 or B, N]`: token positions, read by absolute embeddings and RoPE; `0..N-1`
+      (numpy), or sampled per sequence when `sampled` (randomized positions in training), in which
+      case a learned table reads those rows directly instead of applying the out-of-range policy;
+    - `bias` `[H, N, N]`: score bias added by ALiBi and T5, else None;
+    - `rel_embeddings` / `rel_index` (disentangled): the (LayerNorm'd) relative-table rows `[R, hidden]`
+      that the current length can reach, and `rel_index[i, j]` (numpy, `[N, N]`) pointing into them.
+      Projecting only reachable rows keeps short sequences from paying for the whole 2k-row table.
     """
 
-    embeddings: jax.Array
-    index: np.ndarray
+    position_ids: jax.Array | np.ndarray
+    sampled: bool = False
+    bias: jax.Array | None = None
+    rel_embeddings: jax.Array | None = None
+    rel_index: np.ndarray | None = None
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -51,9 +60,14 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2).reshape(b, n, h * d)
 
 
-def entangled_scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """BERT: `q_i . k_j / sqrt(d)` on content+position mixed upstream."""
-    return jnp.einsum("bhid,bhjd->bhij", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+def entangled_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """`q_i . k_j / sqrt(d)`, plus an additive position `bias` `[H, Nq, Nk]` when given.
+
+    BERT and NoPE (no bias, positions mixed in upstream or absent), RoPE (q, k already rotated),
+    ALiBi and T5 (the bias) all score this way; only DeBERTa needs its own function.
+    """
+    scores = jnp.einsum("bhid,bhjd->bhij", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    return scores if bias is None else scores + bias
 
 
 def disentangled_scores(
@@ -105,7 +119,7 @@ def dense_attention(
 
 
 class SelfAttention(nnx.Module):
-    """Multi-head self-attention of either variant, with the projections named as in DeBERTa."""
+    """Multi-head self-attention of any variant, with the projections named as in DeBERTa."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -119,10 +133,10 @@ class SelfAttention(nnx.Module):
         self.pos_dropout = nnx.Dropout(cfg.hidden_dropout)
         self.dropout = nnx.Dropout(cfg.attention_dropout)
 
-    def _relative_projections(self, rel: RelativeContext, rngs):
+    def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""
         cfg = self.cfg
-        table = self.pos_dropout(rel.embeddings, deterministic=rngs is None, rngs=rngs)
+        table = self.pos_dropout(ctx.rel_embeddings, deterministic=rngs is None, rngs=rngs)
         key_proj = self.key_proj if cfg.share_att_key else self.pos_key_proj
         query_proj = self.query_proj if cfg.share_att_key else self.pos_query_proj
         pos_k = split_heads(key_proj(table), cfg.num_heads) if "c2p" in cfg.pos_att_type else None
@@ -133,7 +147,7 @@ class SelfAttention(nnx.Module):
         self,
         hidden: jax.Array,
         key_mask: jax.Array,
-        rel: RelativeContext | None = None,
+        ctx: PositionContext,
         query_states: jax.Array | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
@@ -144,8 +158,12 @@ class SelfAttention(nnx.Module):
         k = split_heads(self.key_proj(hidden), cfg.num_heads)
         v = split_heads(self.value_proj(hidden), cfg.num_heads)
         if cfg.attention == "disentangled":
-            pos_q, pos_k = self._relative_projections(rel, rngs) if cfg.pos_att_type else (None, None)
-            scores = disentangled_scores(q, k, pos_q, pos_k, rel.index, cfg.pos_att_type)
+            pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
+            scores = disentangled_scores(q, k, pos_q, pos_k, ctx.rel_index, cfg.pos_att_type)
         else:
-            scores = entangled_scores(q, k)
+            if cfg.attention == "rope":
+                ids = ctx.position_ids[:, None]  # [1 or B, 1, N] against [B, H, N, d]
+                q = positions.apply_rope(q, ids, cfg.rope_theta)
+                k = positions.apply_rope(k, ids, cfg.rope_theta)
+            scores = entangled_scores(q, k, ctx.bias)
         return merge_heads(dense_attention(scores, key_mask, v, self.dropout, rngs))

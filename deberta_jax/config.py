@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-ATTENTION_VARIANTS = ("entangled", "disentangled")
+ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
+ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
 POS_ATT_TYPES = ("c2p", "p2c")
 NORM_REL_EBD = ("none", "layer_norm")
 ABSOLUTE_POSITION_POLICIES = ("strict", "untrained", "clip", "interpolate")
@@ -31,10 +32,26 @@ def _fail(field: str, value: Any, fix: str) -> None:
 class ModelConfig:
     """Shape and position scheme of a masked-LM encoder.
 
-    `attention` is the attention *variant*:
+    `attention` is the attention *variant* (how scores are made; the softmax kernel is shared):
       - "entangled": BERT's single dot product; positions reach attention only through the input
-        (`position_biased_input=True` gives BERT, False gives a position-free "NoPE" encoder);
-      - "disentangled": DeBERTa's content-to-content plus the relative terms listed in `pos_att_type`.
+        (`position_biased_input=True` gives BERT). With `position_biased_input=False` the encoder has
+        no position information at all ("NoPE", the floor of the comparison): it is permutation-
+        equivariant, so only bag-of-words cues remain for the MLM;
+      - "disentangled": DeBERTa's content-to-content plus the relative terms listed in `pos_att_type`;
+      - "rope": the dot product of queries and keys rotated by their positions (Su et al.), base
+        `rope_theta`;
+      - "alibi": dot product plus `-m_h * |i - j|`, ALiBi made symmetric for a bidirectional encoder
+        (Press et al. 2022), with the paper's geometric head slopes; no parameters;
+      - "t5_bias": dot product plus a learned per-head bias for T5's bidirectional log buckets of
+        `i - j` (`t5_num_buckets`, `t5_max_distance`; Raffel et al.), one table shared by all layers.
+    Every variant can be combined with absolute positions at the input (`position_biased_input`).
+    Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
+    BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
+    without any absolute positions or RoPE to act on) are rejected.
+
+    `absolute_embedding` chooses the absolute positions added at the input (and read by EMD):
+    "learned" is a `max_position_embeddings`-row table; "sinusoidal" is Vaswani et al.'s fixed
+    encoding, defined at every position, so no table exists and `absolute_position_policy` is moot.
 
     Relative-position knobs (`position_buckets`, `max_relative_positions`, `share_att_key`,
     `norm_rel_ebd`) follow transformers' DebertaV2Config names so checkpoints map one to one.
@@ -47,6 +64,14 @@ class ModelConfig:
     table) does at positions `>= trained_length`: "strict" raises, "untrained" reads the rows that
     exist past the training length (error past the table), "clip" repeats the last trained row,
     "interpolate" stretches the trained rows over the longer sequence.
+
+    `randomized_positions` (Ruoss et al. 2023) is a training-time option for the absolute schemes and
+    RoPE: when the model is called with `rngs` (training), each sequence's N positions are an ordered
+    random sample of `range(random_position_max)` drawn from the `dropout` stream (so a run resumed
+    with the same keys draws the same positions); without `rngs` (evaluation) they are `0..N-1`. The
+    relative schemes (disentangled, ALiBi, T5) always see true distances. Since training then reaches
+    every row below `random_position_max`, that, not `trained_length`, is where the absolute policy
+    starts (`trained_positions`).
     """
 
     vocab_size: int = 8192
@@ -66,6 +91,13 @@ class ModelConfig:
     max_position_embeddings: int = 512
     trained_length: int | None = None
     absolute_position_policy: str = "strict"
+    absolute_embedding: str = "learned"
+    randomized_positions: bool = False
+    random_position_max: int = 512
+
+    rope_theta: float = 10000.0
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
 
     pos_att_type: tuple[str, ...] = ("c2p", "p2c")
     position_buckets: int = 256
@@ -99,12 +131,22 @@ class ModelConfig:
         return self.position_buckets if self.position_buckets > 0 else self.max_relative_positions
 
     @property
-    def uses_absolute_table(self) -> bool:
+    def uses_absolute_positions(self) -> bool:
+        """Absolute positions enter the model: added at the input, or before the MLM head (EMD)."""
         return self.position_biased_input or self.use_emd
+
+    @property
+    def uses_absolute_table(self) -> bool:
+        return self.uses_absolute_positions and self.absolute_embedding == "learned"
 
     @property
     def effective_trained_length(self) -> int:
         return self.trained_length if self.trained_length is not None else self.max_position_embeddings
+
+    @property
+    def trained_positions(self) -> int:
+        """Absolute positions `0..trained_positions-1` that training reaches (where the policy starts)."""
+        return self.random_position_max if self.randomized_positions else self.effective_trained_length
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -122,6 +164,22 @@ class ModelConfig:
                 _fail(name, getattr(self, name), "must be in [0, 1)")
         if self.attention not in ATTENTION_VARIANTS:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
+        if self.attention == "rope":
+            if self.head_dim % 2:
+                _fail("num_heads", self.num_heads,
+                      f"attention='rope' rotates pairs of features and needs an even head_dim, but "
+                      f"hidden_size={self.hidden_size} / num_heads={self.num_heads} = {self.head_dim}; "
+                      "change num_heads or hidden_size")
+            if not self.rope_theta > 0:
+                _fail("rope_theta", self.rope_theta, "must be > 0 (10000 in Su et al.)")
+        if self.attention == "t5_bias":
+            if self.t5_num_buckets < 4 or self.t5_num_buckets % 2:
+                _fail("t5_num_buckets", self.t5_num_buckets,
+                      "must be an even integer >= 4 (half the buckets per direction; T5 uses 32)")
+            if self.t5_max_distance <= self.t5_num_buckets // 4:
+                _fail("t5_max_distance", self.t5_max_distance,
+                      f"must exceed t5_num_buckets // 4 = {self.t5_num_buckets // 4}, the last exactly "
+                      "bucketed distance (T5 uses 128)")
         unknown = [p for p in self.pos_att_type if p not in POS_ATT_TYPES]
         if unknown or len(set(self.pos_att_type)) != len(self.pos_att_type):
             _fail("pos_att_type", self.pos_att_type,
@@ -146,6 +204,32 @@ class ModelConfig:
         if self.absolute_position_policy not in ABSOLUTE_POSITION_POLICIES:
             _fail("absolute_position_policy", self.absolute_position_policy,
                   f"choose one of {ABSOLUTE_POSITION_POLICIES}")
+        if self.absolute_embedding not in ABSOLUTE_EMBEDDINGS:
+            _fail("absolute_embedding", self.absolute_embedding, f"choose one of {ABSOLUTE_EMBEDDINGS}")
+        if self.absolute_embedding == "sinusoidal":
+            if not self.uses_absolute_positions:
+                _fail("absolute_embedding", self.absolute_embedding,
+                      "has no effect without absolute positions; set position_biased_input=True "
+                      "(or use_emd=True), or leave it 'learned'")
+            if self.hidden_size % 2:
+                _fail("absolute_embedding", self.absolute_embedding,
+                      f"sinusoidal encodings come in sin/cos pairs and need an even hidden_size, "
+                      f"got {self.hidden_size}")
+        if self.randomized_positions:
+            if not (self.uses_absolute_positions or self.attention == "rope"):
+                _fail("randomized_positions", self.randomized_positions,
+                      "randomizes absolute positions (position_biased_input=True or use_emd=True) or "
+                      "RoPE (attention='rope'), and this config has neither; enable one or set it False")
+            if self.random_position_max < 1:
+                _fail("random_position_max", self.random_position_max, "must be >= 1")
+            if self.uses_absolute_table and self.random_position_max > self.max_position_embeddings:
+                _fail("random_position_max", self.random_position_max,
+                      f"must be <= max_position_embeddings={self.max_position_embeddings}, the rows of "
+                      "the learned absolute table; lower it or enlarge max_position_embeddings")
+            if self.trained_length is not None and self.random_position_max < self.trained_length:
+                _fail("random_position_max", self.random_position_max,
+                      f"must be >= trained_length={self.trained_length} to sample that many distinct "
+                      "positions per sequence")
         if self.use_emd:
             if self.position_biased_input:
                 _fail("use_emd", self.use_emd,

@@ -1,14 +1,17 @@
 """Masked-LM encoders: embeddings, post-LayerNorm encoder layers, tied MLM head, optional EMD.
 
 One class, `MaskedLM`, covers BERT (`attention="entangled"`, `position_biased_input=True`) and
-DeBERTa v2/v3 (`attention="disentangled"`, `position_biased_input=False`), plus every mix of the two
-that the ablations need, all selected by `ModelConfig`.
+DeBERTa v2/v3 (`attention="disentangled"`, `position_biased_input=False`), every mix of the two that
+the ablations need, and the length-generalization baselines (NoPE, sinusoidal, RoPE, ALiBi, T5 bias,
+randomized positions), all selected by `ModelConfig`. Everything about positions is gathered once
+per forward pass into a `PositionContext` that the embeddings and every layer read.
 
 Precision: parameters are float32; with `dtype="bfloat16"` matmuls run in bfloat16 while the residual
 stream, LayerNorm statistics, softmax and logits stay float32.
 
-Dropout is active exactly when `rngs` (an `nnx.Rngs` with a `dropout` stream) is passed, so a train
-step derives its dropout key from (seed, step) and a resumed run draws the same masks.
+Dropout (and, with `randomized_positions`, the position sample) is active exactly when `rngs` (an
+`nnx.Rngs` with a `dropout` stream) is passed, so a train step derives its dropout key from
+(seed, step) and a resumed run draws the same masks and positions.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from deberta_jax import positions
-from deberta_jax.attention import RelativeContext, SelfAttention
+from deberta_jax.attention import PositionContext, SelfAttention
 from deberta_jax.config import ModelConfig
 from deberta_jax.layers import dense, layer_norm, table
 
@@ -33,7 +36,8 @@ ACTIVATIONS = {
 class Embeddings(nnx.Module):
     """Word (+ absolute position when `position_biased_input`) (+ token type), LayerNorm, dropout.
 
-    The absolute table also exists for EMD models, which read it before the MLM head instead.
+    Absolute positions are learned rows or sinusoids (`absolute_embedding`); EMD models read them
+    before the MLM head instead. Only the learned kind has a table.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -44,15 +48,24 @@ class Embeddings(nnx.Module):
         self.norm = layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout)
 
-    def absolute(self, seq_len: int, policy: str) -> jax.Array:
-        """Absolute position rows `[N, hidden]` under the out-of-range `policy`."""
-        return positions.absolute_position_embeddings(
-            self.position_embeddings[...], seq_len, self.cfg.effective_trained_length, policy)
+    def absolute(self, ctx: PositionContext, policy: str) -> jax.Array:
+        """Absolute position vectors `[1 or B, N, hidden]` for `ctx.position_ids`.
 
-    def __call__(self, input_ids, key_mask, token_type_ids, policy: str, rngs) -> jax.Array:
+        A learned table applies the out-of-range `policy` to positions `0..N-1`; sampled positions
+        lie below `random_position_max <= max_position_embeddings` (validated) and read their rows.
+        """
+        if self.cfg.absolute_embedding == "sinusoidal":
+            return positions.sinusoidal_embeddings(ctx.position_ids, self.cfg.hidden_size)
+        if ctx.sampled:
+            return jnp.take(self.position_embeddings[...], ctx.position_ids, axis=0)
+        seq_len = ctx.position_ids.shape[-1]
+        return positions.absolute_position_embeddings(
+            self.position_embeddings[...], seq_len, self.cfg.trained_positions, policy)[None]
+
+    def __call__(self, input_ids, key_mask, token_type_ids, ctx: PositionContext, policy: str, rngs) -> jax.Array:
         x = jnp.take(self.word_embeddings[...], input_ids, axis=0)
         if self.cfg.position_biased_input:
-            x = x + self.absolute(input_ids.shape[1], policy)[None]
+            x = x + self.absolute(ctx, policy)
         if self.token_type_embeddings is not None:
             x = x + jnp.take(self.token_type_embeddings[...], token_type_ids, axis=0)
         x = self.norm(x) * key_mask[..., None].astype(jnp.float32)
@@ -72,17 +85,17 @@ class EncoderLayer(nnx.Module):
         self.output_norm = layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout)
 
-    def __call__(self, hidden, key_mask, rel=None, query_states=None, rngs=None) -> jax.Array:
+    def __call__(self, hidden, key_mask, ctx: PositionContext, query_states=None, rngs=None) -> jax.Array:
         residual = hidden if query_states is None else query_states
         drop = lambda x: self.dropout(x, deterministic=rngs is None, rngs=rngs)  # noqa: E731
-        ctx = self.attention(hidden, key_mask, rel, query_states=query_states, rngs=rngs)
-        att = self.attention_norm(drop(self.attention_out(ctx)).astype(jnp.float32) + residual)
+        context = self.attention(hidden, key_mask, ctx, query_states=query_states, rngs=rngs)
+        att = self.attention_norm(drop(self.attention_out(context)).astype(jnp.float32) + residual)
         mlp = self.output(ACTIVATIONS[self.cfg.hidden_act](self.intermediate(att)))
         return self.output_norm(drop(mlp).astype(jnp.float32) + att)
 
 
 class Encoder(nnx.Module):
-    """The layer stack and, for disentangled attention, the shared relative-position table."""
+    """The layer stack and the position tables its layers share: DeBERTa's relative table, T5's bias."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -90,25 +103,46 @@ class Encoder(nnx.Module):
         relative = cfg.attention == "disentangled"
         self.rel_embeddings = table(cfg, 2 * cfg.relative_span, rngs) if relative else None
         self.rel_norm = layer_norm(cfg, rngs) if relative and cfg.norm_rel_ebd == "layer_norm" else None
+        if cfg.attention == "t5_bias":
+            init = nnx.initializers.normal(cfg.initializer_range)
+            shape = (cfg.t5_num_buckets, cfg.num_heads)
+            self.relative_attention_bias = nnx.Param(init(rngs.params(), shape, jnp.float32))
+        else:
+            self.relative_attention_bias = None
 
-    def relative_context(self, seq_len: int) -> RelativeContext | None:
-        """Reachable relative rows (normalized) and the index into them for length `seq_len`."""
+    def position_context(self, batch: int, seq_len: int, rngs=None) -> PositionContext:
+        """Positions, score bias and reachable relative rows for a `[batch, seq_len]` forward pass.
+
+        With `randomized_positions` and `rngs` (training) the positions are sampled from the dropout
+        stream; otherwise they are `0..N-1`.
+        """
         cfg = self.cfg
-        if cfg.attention != "disentangled":
-            return None
-        kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
-                  clamp=cfg.clamp_relative_positions)
-        index = positions.relative_index(seq_len, seq_len, **kw)
-        lo, hi = positions.relative_rows_used(seq_len, seq_len, **kw)
-        table = self.rel_embeddings[...][lo:hi]
-        if self.rel_norm is not None:
-            table = self.rel_norm(table)  # row-wise, so normalizing a slice equals slicing the normalized table
-        return RelativeContext(embeddings=table, index=np.asarray(index - lo))
+        sampled = cfg.randomized_positions and rngs is not None
+        if sampled:
+            ids = positions.random_positions(rngs.dropout(), batch, seq_len, cfg.random_position_max)
+        else:
+            ids = np.arange(seq_len, dtype=np.int32)[None]
+        bias = rel_embeddings = rel_index = None
+        if cfg.attention == "alibi":
+            bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads)
+        elif cfg.attention == "t5_bias":
+            bias = positions.t5_bias(self.relative_attention_bias[...], seq_len, seq_len, cfg.t5_max_distance)
+        elif cfg.attention == "disentangled":
+            kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
+                      clamp=cfg.clamp_relative_positions)
+            lo, hi = positions.relative_rows_used(seq_len, seq_len, **kw)
+            rel_embeddings = self.rel_embeddings[...][lo:hi]
+            if self.rel_norm is not None:
+                # Row-wise, so normalizing a slice equals slicing the normalized table.
+                rel_embeddings = self.rel_norm(rel_embeddings)
+            rel_index = np.asarray(positions.relative_index(seq_len, seq_len, **kw) - lo)
+        return PositionContext(position_ids=ids, sampled=sampled, bias=bias,
+                               rel_embeddings=rel_embeddings, rel_index=rel_index)
 
-    def __call__(self, hidden, key_mask, rel, rngs=None, num_layers: int | None = None) -> jax.Array:
+    def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:
         """Run the first `num_layers` layers (all by default)."""
         for layer in self.layers[: self.cfg.num_layers if num_layers is None else num_layers]:
-            hidden = layer(hidden, key_mask, rel, rngs=rngs)
+            hidden = layer(hidden, key_mask, ctx, rngs=rngs)
         return hidden
 
 
@@ -129,19 +163,18 @@ class MaskedLM(nnx.Module):
         cfg = self.cfg
         input_ids, key_mask, token_type_ids = check_inputs(cfg, input_ids, attention_mask, token_type_ids)
         policy = absolute_position_policy or cfg.absolute_position_policy
-        seq_len = input_ids.shape[1]
-        rel = self.encoder.relative_context(seq_len)
-        hidden = self.embeddings(input_ids, key_mask, token_type_ids, policy, rngs)
+        ctx = self.encoder.position_context(*input_ids.shape, rngs=rngs)
+        hidden = self.embeddings(input_ids, key_mask, token_type_ids, ctx, policy, rngs)
         if not cfg.use_emd:
-            return self.encoder(hidden, key_mask, rel, rngs=rngs)
+            return self.encoder(hidden, key_mask, ctx, rngs=rngs)
         # EMD (microsoft/DeBERTa): keys/values are the input of the last layer; the query starts from
         # absolute positions plus that input and is refined by re-applying the last layer's weights.
         # The last layer's ordinary output is not used by the MLM loss, so it is not computed.
-        hidden = self.encoder(hidden, key_mask, rel, rngs=rngs, num_layers=cfg.num_layers - 1)
-        query = self.embeddings.absolute(seq_len, policy)[None] + hidden
+        hidden = self.encoder(hidden, key_mask, ctx, rngs=rngs, num_layers=cfg.num_layers - 1)
+        query = self.embeddings.absolute(ctx, policy) + hidden
         last = self.encoder.layers[cfg.num_layers - 1]
         for _ in range(cfg.emd_layers):
-            query = last(hidden, key_mask, rel, query_states=query, rngs=rngs)
+            query = last(hidden, key_mask, ctx, query_states=query, rngs=rngs)
         return query
 
     def head(self, hidden: jax.Array) -> jax.Array:

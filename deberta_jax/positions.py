@@ -1,16 +1,21 @@
-"""Position functions: relative distances, DeBERTa's log-bucketing, the relative-table index, and the
-policies for absolute positions past the training length.
+"""Position functions: relative distances, DeBERTa's log-bucketing, the relative-table index, the
+policies for absolute positions past the training length, and the baselines from the
+length-generalization literature (sinusoidal, RoPE, ALiBi, T5 buckets, randomized positions).
 
-Everything here depends only on static sizes, so it is computed with numpy while a function is traced
-and enters the XLA program as a constant: no per-step cost, and the result is bit-identical on every
-backend. The float32 arithmetic of the bucketing deliberately mirrors transformers' torch code so that
-checkpoints trained there land in exactly the same buckets here (tested against it).
+Whatever depends only on static sizes (relative indices, buckets, ALiBi distances) is computed with
+numpy while a function is traced and enters the XLA program as a constant: no per-step cost, and the
+result is bit-identical on every backend. Functions of token positions (sinusoidal, RoPE) use jnp,
+because randomized training samples those positions inside the step. The float32 arithmetic of the
+bucketings deliberately mirrors the torch code of transformers (DeBERTa) and T5, so that checkpoints
+trained there land in exactly the same buckets here (both tested against transformers).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,3 +125,99 @@ def absolute_position_embeddings(
         frac = jnp.asarray((pos - lo)[:, None], dtype=table.dtype)
         return (1 - frac) * jnp.take(table, lo, axis=0) + frac * jnp.take(table, hi, axis=0)
     raise ValueError(f"unknown absolute_position_policy {policy!r}; use strict, untrained, clip or interpolate")
+
+
+# --------------------------------------------------------------------------- length-generalization baselines
+def sinusoidal_embeddings(positions, dim: int) -> jax.Array:
+    """Vaswani et al.'s fixed encoding `[..., dim]` for integer `positions` `[...]` (float32).
+
+    `PE[p, 2i] = sin(p / 10000^(2i/dim))`, `PE[p, 2i+1] = cos(p / 10000^(2i/dim))`. A function rather
+    than a table, so every position has a value and no out-of-range policy applies. `dim` must be even.
+    """
+    inv_freq = np.power(10000.0, -np.arange(0, dim, 2) / dim).astype(np.float32)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*angles.shape[:-1], dim)
+
+
+def apply_rope(x: jax.Array, positions, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al.): rotate feature pairs of `x` `[..., N, d]` by `p * theta^(-2i/d)`.
+
+    `positions` (broadcastable to `x.shape[:-1]`) are the token positions. Rotations keep norms, and
+    `R(p_i) q . R(p_j) k = q . R(p_j - p_i) k`, so scores of rotated queries and keys depend on
+    positions only through their difference. Pairs are `(x[i], x[i + d/2])` (the GPT-NeoX/LLaMA layout):
+    the paper's adjacent pairs up to a fixed permutation of the learned projection's outputs, and two
+    contiguous halves instead of a strided reshape. Computed in float32, returned in `x.dtype`.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = np.power(float(theta), -np.arange(half) / half).astype(np.float32)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al. 2022), float32 `[num_heads]`.
+
+    For `n` a power of two: the geometric sequence `2^(-8/n), 2^(-16/n), ..., 2^(-8)`. Otherwise, as in
+    the paper's code: the slopes of the largest power of two `m < n`, then every other slope of `2m`
+    heads for the remaining `n - m` heads (slopes that interleave with the first ones).
+    """
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(closest) + geometric(2 * closest)[0::2][: num_heads - closest]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(query_len: int, key_len: int, num_heads: int) -> jax.Array:
+    """Symmetric ALiBi score bias `-m_h * |i - j|`, float32 `[num_heads, query_len, key_len]`.
+
+    Press et al. define ALiBi for causal decoders (`j <= i`); a bidirectional encoder sees keys on both
+    sides, and the symmetric form penalizes distance in either direction alike. The distances are a
+    numpy constant `[Nq, Nk]`; the per-head scaling is left to XLA so the constant is not `H` times larger.
+    """
+    distance = np.abs(relative_positions(query_len, key_len)).astype(np.float32)
+    return -jnp.asarray(alibi_slopes(num_heads))[:, None, None] * distance
+
+
+def t5_relative_bucket(rel: np.ndarray, num_buckets: int, max_distance: int) -> np.ndarray:
+    """T5's bidirectional relative-position buckets (Raffel et al.) for `rel = i - j` (int32, shape of `rel`).
+
+    Half the buckets per direction: keys left of (or at) the query (`rel >= 0`) use `[0, n/2)`, keys to
+    its right `[n/2, n)`, exactly as T5's `_relative_position_bucket(j - i, bidirectional=True)`.
+    Within a half, distances below `n/4` get their own bucket; longer ones are log-spaced up to
+    `max_distance` and every distance beyond shares the last bucket, so any length reads trained buckets.
+    """
+    rel = np.asarray(rel, dtype=np.int64)
+    half = num_buckets // 2
+    max_exact = half // 2
+    distance = np.abs(rel)
+    # T5 computes the log in float32; substitute max_exact below it (those values are not selected).
+    scaled = np.maximum(distance, max_exact).astype(np.float32) / np.float32(max_exact)
+    large = max_exact + (np.log(scaled) / np.float32(math.log(max_distance / max_exact))
+                         * np.float32(half - max_exact)).astype(np.int64)
+    bucket = np.where(distance < max_exact, distance, np.minimum(large, half - 1))
+    return (bucket + np.where(rel < 0, half, 0)).astype(np.int32)
+
+
+def t5_bias(table: jax.Array, query_len: int, key_len: int, max_distance: int) -> jax.Array:
+    """Score bias `[H, query_len, key_len]` read from a learned `[num_buckets, H]` table by T5 bucket."""
+    bucket = t5_relative_bucket(relative_positions(query_len, key_len), table.shape[0], max_distance)
+    return jnp.moveaxis(jnp.take(table, bucket, axis=0), -1, 0)
+
+
+def random_positions(key: jax.Array, batch: int, seq_len: int, max_position: int) -> jax.Array:
+    """Randomized positions (Ruoss et al. 2023): per sequence, an increasing sample without replacement
+    of `seq_len` positions from `range(max_position)`, int32 `[batch, seq_len]`.
+
+    Training on such positions shows the model the position values (and gaps) of sequences up to
+    `max_position` long while only paying for `seq_len` tokens; order is kept, so relative order and
+    the sign of differences stay meaningful. Evaluation uses the plain positions `0..N-1`.
+    """
+    if seq_len > max_position:
+        raise ValueError(f"cannot sample {seq_len} distinct positions below random_position_max={max_position}; "
+                         "raise model.random_position_max to at least the training sequence length")
+    sample = lambda k: jnp.sort(jax.random.choice(k, max_position, (seq_len,), replace=False))  # noqa: E731
+    return jax.vmap(sample)(jax.random.split(key, batch)).astype(jnp.int32)
