@@ -75,13 +75,14 @@ def policies_for(model, requested: Sequence[str]) -> list[str]:
     return list(requested) if model.cfg.uses_absolute_table else ["none"]
 
 
-def refusal(model, policy: str, eval_len: int, train_len: int) -> str | None:
+def refusal(model, policy: str, eval_len: int) -> str | None:
     """Why `policy` cannot score `eval_len` (None when it can); mirrors `positions` without running it."""
-    if not model.cfg.uses_absolute_table or eval_len <= train_len:
+    trained = model.cfg.trained_positions  # train_len, or more with randomized positions
+    if not model.cfg.uses_absolute_table or eval_len <= trained:
         return None
     table = model.cfg.max_position_embeddings
     if policy == "strict":
-        return f"strict policy: positions >= training length {train_len} are refused"
+        return f"strict policy: positions >= {trained} (never trained) are refused"
     if policy == "untrained" and eval_len > table:
         return f"untrained policy: the absolute table has only {table} rows"
     return None
@@ -148,7 +149,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
             for policy in policies_for(em.model, settings.policies):
                 scorer = evaluation.make_scorer(em.model, None if policy == "none" else policy)
                 for eval_len in lengths:
-                    reason = refusal(em.model, policy, eval_len, em.train_len)
+                    reason = refusal(em.model, policy, eval_len)
                     common = dict(policy=policy, dataset=dataset, eval_len=eval_len)
                     if reason:
                         skipped.append(dict(model=em.label, seed=em.seed, **common, reason=reason))
