@@ -1,0 +1,21 @@
+"""BERT: entangled attention over word + learned absolute position embeddings.
+
+    python train.py --config configs/bert.py:tiny --workdir runs/bert_tiny \
+        --config.data.train_files=../shared/data/brown/train.txt \
+        --config.data.eval_files=../shared/data/brown/valid.txt
+
+Sizes: micro (tests), tiny, small, base (see configs/common.py).
+"""
+
+from configs import common
+
+
+def get_config(size: str = "tiny"):
+    config = common.get_base_config(size)
+    config.model.attention = "entangled"
+    config.model.position_biased_input = True
+    config.model.layer_norm_eps = 1e-12
+    # The absolute table keeps 512 rows whatever seq_len is: rows past the training length exist
+    # (untrained) so that length-extrapolation evaluation can compare the position policies.
+    config.model.max_position_embeddings = 512
+    return config

@@ -1,0 +1,69 @@
+"""Host-side masked-LM batches: the training batch of a step, and the fixed evaluation batches.
+
+Training batches are a pure function of (seed, step, process): rows from `data.get_batch`, masks
+from `masking.masking_rng(seed, step, process_index)`. Nothing needs checkpointing besides the step.
+
+Evaluation masks the whole evaluation set once with a fixed seed (`EVAL_MASK_SEED`, independent of
+the training seed, step, batch size and process count), so eval loss is comparable across steps
+and across runs that share eval_files, seq_len and tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from deberta_jax import data
+from deberta_jax.masking import mask_tokens, masking_rng
+from deberta_jax.tokenizer import SpecialIds
+
+EVAL_MASK_SEED = 0
+Batch = dict[str, np.ndarray]  # input_ids, attention_mask, labels (int32), weights (float32): [rows, seq_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class Masker:
+    """BERT corruption settings; `vocab_size` is the tokenizer's, so random replacements are real tokens."""
+
+    special: SpecialIds
+    vocab_size: int
+    mask_prob: float
+    whole_word_masking: bool
+
+    def __call__(self, rows: data.PackedData, rng: np.random.Generator) -> Batch:
+        masked = mask_tokens(
+            rows.input_ids, rows.attention_mask, self.special, self.vocab_size, rng,
+            mask_prob=self.mask_prob, word_start=rows.word_start if self.whole_word_masking else None,
+        )
+        return dict(input_ids=masked.input_ids, attention_mask=rows.attention_mask.astype(np.int32),
+                    labels=masked.labels, weights=masked.weights)
+
+
+def train_batch(packed: data.PackedData, masker: Masker, *, batch_size: int, step: int, seed: int,
+                process_index: int, process_count: int) -> Batch:
+    """This process's share of global training batch `step`, masked."""
+    rows = data.get_batch(packed, batch_size, step, seed, process_index, process_count)
+    return masker(rows, masking_rng(seed, step, process_index))
+
+
+def eval_batches(packed: data.PackedData, masker: Masker, *, batch_size: int, max_batches: int | None,
+                 process_index: int, process_count: int) -> list[Batch]:
+    """This process's share of every evaluation batch: the first `max_batches * batch_size` rows (all if None).
+
+    The last batch is filled up with copies of real rows whose weights are 0, so every batch has
+    the same shape (one compilation) and the padding contributes nothing to the sums.
+    """
+    # Mask every row, then select: a row's mask then does not depend on batch size or max_batches.
+    masked = masker(packed, masking_rng(EVAL_MASK_SEED, 0, 0))
+    num_rows = packed.num_rows if max_batches is None else min(packed.num_rows, max_batches * batch_size)
+    masked = {name: x[:num_rows] for name, x in masked.items()}
+    num_batches = -(-num_rows // batch_size)
+    filler = np.arange(num_batches * batch_size - num_rows) % num_rows
+    padded = {name: np.concatenate([x, x[filler]]) for name, x in masked.items()}
+    padded["weights"][num_rows:] = 0.0
+    batches = []
+    for b in range(num_batches):
+        rows = data.process_share(np.arange(b * batch_size, (b + 1) * batch_size), process_index, process_count)
+        batches.append({name: x[rows] for name, x in padded.items()})
+    return batches

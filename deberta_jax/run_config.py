@@ -1,0 +1,122 @@
+"""Validating an experiment config once, at start-up, with errors that name the field and the fix.
+
+A bad sweep value should fail before any data is read or anything is compiled, not deep inside a
+jit trace or an hour into a run. `validate` checks the whole `ml_collections` config against the
+machine (device count) and returns the `ModelConfig` the run will use; `resolved` records the
+derived values (trained length, tokenizer vocabulary) in the config that is saved to the workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from ml_collections import config_dict
+
+from deberta_jax import data
+from deberta_jax.config import ConfigError, ModelConfig
+from deberta_jax.optim import SCHEDULES
+
+
+def _require(ok: bool, field: str, value, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{field}={value!r} {problem}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(config, field: str, minimum: int) -> None:
+    value = _get(config, field)
+    _require(_is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}")
+
+
+def _require_number(config, field: str, low: float, high: float, *, low_open=False, high_open=True) -> None:
+    value = _get(config, field)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    _require(ok, field, value, f"must be a number in {interval}")
+
+
+def _get(config, field: str):
+    section, _, name = field.rpartition(".")
+    node = config
+    for part in filter(None, section.split(".")):
+        node = node[part]
+    return node[name]
+
+
+def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
+    """Checks every field the run reads; returns the model config with `trained_length = data.seq_len`."""
+    _require_int(config, "seed", 0)
+
+    # ---- data
+    _require(isinstance(config.data.train_files, str) and config.data.train_files.strip() != "",
+             "data.train_files", config.data.train_files,
+             "must name training text: files, globs (comma-separated) or hf:NAME:CONFIG:SPLIT")
+    _require(isinstance(config.data.eval_files, str), "data.eval_files", config.data.eval_files,
+             'must be a data spec like data.train_files, or "" to disable evaluation')
+    tokenizer = config.data.tokenizer
+    _require(tokenizer is None or os.path.isfile(tokenizer), "data.tokenizer", tokenizer,
+             "does not exist; pass a tokenizer.json file, or leave it unset to train one on data.train_files")
+    seq_len = config.data.seq_len
+    _require(_is_int(seq_len), "data.seq_len", seq_len, "must be an integer")
+    data.check_seq_len(seq_len)
+    _require_number(config, "data.mask_prob", 0.0, 1.0, low_open=True)
+    _require(isinstance(config.data.whole_word_masking, bool), "data.whole_word_masking",
+             config.data.whole_word_masking, "must be True or False")
+
+    # ---- model
+    model = dict(config.model)
+    _require(model.get("trained_length") in (None, seq_len), "model.trained_length", model.get("trained_length"),
+             f"is derived from config.data.seq_len={seq_len}; leave it unset")
+    model["trained_length"] = None  # set below, once the table size is known to be large enough
+    try:
+        model_config = ModelConfig.from_dict(model)
+    except ConfigError as err:
+        raise ConfigError(f"config.{err}") from None
+    table = model_config.max_position_embeddings
+    what = ("the size of the model's absolute position table" if model_config.uses_absolute_table
+            else "the longest trained length a ModelConfig accepts")
+    _require(seq_len <= table, "data.seq_len", seq_len,
+             f"exceeds config.model.max_position_embeddings={table}, {what}; raise max_position_embeddings "
+             f"to at least {seq_len} or shorten seq_len")
+    model_config = dataclasses.replace(model_config, trained_length=seq_len)
+
+    # ---- train
+    train = "train."
+    for name in ("num_steps", "batch_size", "grad_accum_steps", "log_every", "eval_every",
+                 "checkpoint_every", "keep_checkpoints"):
+        _require_int(config, train + name, 1)
+    _require_int(config, train + "warmup_steps", 0)
+    batch_size, accum = config.train.batch_size, config.train.grad_accum_steps
+    if batch_size % (num_devices * accum):
+        unit = num_devices * accum
+        per = f"{num_devices} devices" + (f" x {accum} accumulation steps = {unit}" if accum > 1 else "")
+        raise ConfigError(f"config.train.batch_size={batch_size} is not divisible by {per}; "
+                          f"use a multiple of {unit}")
+    _require(config.train.eval_batches is None or (_is_int(config.train.eval_batches) and config.train.eval_batches >= 1),
+             train + "eval_batches", config.train.eval_batches, "must be an integer >= 1, or None for all of eval_files")
+    _require(config.train.schedule in SCHEDULES, train + "schedule", config.train.schedule,
+             f"is not a schedule; choose one of {SCHEDULES}")
+    _require_number(config, train + "learning_rate", 0.0, math.inf, low_open=True)
+    _require_number(config, train + "weight_decay", 0.0, math.inf)
+    _require_number(config, train + "b1", 0.0, 1.0)
+    _require_number(config, train + "b2", 0.0, 1.0)
+    _require_number(config, train + "eps", 0.0, math.inf, low_open=True)
+    _require_number(config, train + "grad_clip_norm", 0.0, math.inf, low_open=True)
+    return model_config
+
+
+def resolved(config: config_dict.ConfigDict, model_config: ModelConfig) -> config_dict.ConfigDict:
+    """A copy of `config` whose `model` section is the complete `ModelConfig` the run trains.
+
+    Saved as the workdir's config.json: it holds every derived value (trained_length, the
+    tokenizer's vocabulary size), so the workdir alone rebuilds the model.
+    """
+    out = config_dict.ConfigDict(config.to_dict())
+    out.model = config_dict.ConfigDict(model_config.to_dict())
+    return out

@@ -1,0 +1,130 @@
+"""Experiment configs: every preset validates, the families differ only where they should, and each
+bad value fails at start-up with an error naming its field."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import bert, common, deberta
+from deberta_jax.config import ConfigError
+from deberta_jax.run_config import resolved, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = {"bert": bert, "deberta": deberta}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("size", sorted(common.SIZES))
+def test_every_preset_validates_with_trained_length_from_seq_len(family, size):
+    config = FAMILIES[family].get_config(size)
+    model = validate(config, num_devices=1)
+    assert model.trained_length == config.data.seq_len
+    assert resolved(config, model).model.trained_length == config.data.seq_len
+
+
+def test_sizes_have_the_requested_shapes():
+    tiny, base = bert.get_config("tiny"), deberta.get_config("base")
+    assert (tiny.model.num_layers, tiny.model.hidden_size, tiny.model.num_heads, tiny.model.intermediate_size,
+            tiny.model.vocab_size, tiny.data.seq_len) == (4, 256, 4, 1024, 8192, 128)
+    assert (base.model.num_layers, base.model.hidden_size, base.model.num_heads, base.model.intermediate_size,
+            base.data.seq_len) == (12, 768, 12, 3072, 512)
+
+
+def test_families_share_data_and_recipe_and_differ_in_position_scheme():
+    b, d = bert.get_config("tiny"), deberta.get_config("tiny")
+    assert b.data.to_dict() == d.data.to_dict() and b.train.to_dict() == d.train.to_dict() and b.seed == d.seed
+    bm, dm = validate(b, 1), validate(d, 1)
+    assert (bm.attention, bm.position_biased_input, bm.layer_norm_eps) == ("entangled", True, 1e-12)
+    assert (dm.attention, dm.position_biased_input, dm.pos_att_type) == ("disentangled", False, ("c2p", "p2c"))
+    assert (dm.share_att_key, dm.norm_rel_ebd, dm.use_emd) == (True, "layer_norm", False)
+
+
+def test_deberta_relative_table_follows_seq_len():
+    assert (validate(deberta.get_config("base"), 1).position_buckets,
+            validate(deberta.get_config("base"), 1).max_relative_positions) == (256, 512)  # the paper's values
+    config = deberta.get_config("tiny")
+    assert (config.model.position_buckets, config.model.max_relative_positions) == (64, 128)
+    config.data.seq_len = 256  # what --config.data.seq_len=256 does
+    assert (config.model.position_buckets, config.model.max_relative_positions) == (128, 256)
+
+
+def test_unknown_size_is_rejected():
+    with pytest.raises(ValueError, match="unknown config size 'huge'"):
+        bert.get_config("huge")
+
+
+BAD_VALUES = [
+    ("seed", -1, "config.seed=-1"),
+    ("data.train_files", "", "config.data.train_files=''"),
+    ("data.tokenizer", "/no/such/tokenizer.json", "config.data.tokenizer='/no/such/tokenizer.json' does not exist"),
+    ("data.seq_len", 4, "config.data.seq_len=4"),
+    ("data.mask_prob", 0.0, "config.data.mask_prob=0.0"),
+    ("model.attention", "sparse", "config.model.attention='sparse'"),
+    ("model.num_heads", 3, "config.model.num_heads=3"),
+    ("model.dtype", "float16", "config.model.dtype='float16'"),
+    ("train.num_steps", 0, "config.train.num_steps=0"),
+    ("train.batch_size", 0, "config.train.batch_size=0"),
+    ("train.grad_accum_steps", 0, "config.train.grad_accum_steps=0"),
+    ("train.warmup_steps", -5, "config.train.warmup_steps=-5"),
+    ("train.schedule", "step", "config.train.schedule='step' is not a schedule"),
+    ("train.learning_rate", -1e-3, "config.train.learning_rate=-0.001"),
+    ("train.b2", 1.0, "config.train.b2=1.0"),
+    ("train.eps", 0.0, "config.train.eps=0.0"),
+    ("train.grad_clip_norm", 0.0, "config.train.grad_clip_norm=0.0"),
+    ("train.eval_batches", 0, "config.train.eval_batches=0"),
+    ("train.keep_checkpoints", 0, "config.train.keep_checkpoints=0"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_value_names_its_field(field, value, message):
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict({field: value})
+    with pytest.raises(ValueError) as info:
+        validate(config, num_devices=1)
+    assert message in str(info.value)
+
+
+def test_batch_not_divisible_by_devices():
+    config = bert.get_config("micro")
+    config.train.batch_size = 30
+    with pytest.raises(ConfigError, match="^config.train.batch_size=30 is not divisible by 8 devices; use a multiple of 8$"):
+        validate(config, num_devices=8)
+    config.train.batch_size, config.train.grad_accum_steps = 32, 3
+    with pytest.raises(ConfigError, match="by 2 devices x 3 accumulation steps = 6; use a multiple of 6"):
+        validate(config, num_devices=2)
+    config.train.grad_accum_steps = 4
+    validate(config, num_devices=8)
+
+
+def test_seq_len_longer_than_absolute_table():
+    config = bert.get_config("micro")
+    config.data.seq_len = 1024
+    with pytest.raises(ConfigError, match=r"config.data.seq_len=1024 exceeds config.model.max_position_embeddings=512"):
+        validate(config, num_devices=1)
+    config.model.max_position_embeddings = 1024
+    assert validate(config, num_devices=1).trained_length == 1024
+
+
+def test_unknown_model_field_and_explicit_trained_length_are_rejected():
+    config = deberta.get_config("micro")
+    config.model.hidden_sise = 64
+    with pytest.raises(ConfigError, match="hidden_sise"):
+        validate(config, num_devices=1)
+    config = deberta.get_config("micro")
+    config.model.trained_length = 16
+    with pytest.raises(ConfigError, match="config.model.trained_length=16 is derived from config.data.seq_len"):
+        validate(config, num_devices=1)
+
+
+def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
+    """The command line path: the error names the field; no data file is touched (they do not exist)."""
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path / "run"),
+         "--config.data.train_files=/no/such/file.txt", "--config.train.schedule=exponential"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "config.train.schedule='exponential' is not a schedule" in result.stderr
+    assert "/no/such/file.txt" not in result.stderr

@@ -1,0 +1,248 @@
+"""Training: exact resume, one device = eight, non-finite stops, load_workdir, gradient accumulation,
+the optimizer's schedule and weight-decay mask, and checkpoint retention.
+
+Runs use the `micro` preset (2 layers, hidden 32, seq_len 32, batch 8) on a slice of the Brown corpus
+with a 400-token tokenizer, so each in-process run takes a few seconds.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import train
+from configs import deberta
+from deberta_jax import checkpoint, data, input_pipeline, metrics_io, optim, train_lib
+from deberta_jax.config import ModelConfig
+from deberta_jax.tokenizer import SpecialIds, save_tokenizer, train_tokenizer
+from deberta_jax.text import load_documents
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BROWN = os.path.join(REPO, "..", "shared", "data", "brown")
+STEPS = 8  # the "2N" of the resume test
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Brown slices, a 400-token tokenizer and a packing cache, shared by every run in this module."""
+    root = tmp_path_factory.mktemp("corpus")
+    for name, size in (("train.txt", 150_000), ("valid.txt", 20_000)):
+        with open(os.path.join(BROWN, name), encoding="utf-8") as f:
+            text = f.read(size)
+        (root / name).write_text(text[: text.rfind("\n\n")] + "\n")
+    save_tokenizer(train_tokenizer(load_documents(str(root / "train.txt")), 400), root / "tokenizer.json")
+    return root
+
+
+def overrides(corpus, **train_fields):
+    """Flattened config overrides for a micro run on the corpus; `train_fields` go under config.train."""
+    values = {"data.train_files": str(corpus / "train.txt"), "data.eval_files": str(corpus / "valid.txt"),
+              "data.tokenizer": str(corpus / "tokenizer.json"), "data.cache_dir": str(corpus / "cache"),
+              "train.num_steps": STEPS, "train.log_every": 1, "train.eval_every": 4, "train.checkpoint_every": 4,
+              "train.warmup_steps": 2}
+    values.update({f"train.{k}": v for k, v in train_fields.items()})
+    return values
+
+
+def micro_config(corpus, **train_fields):
+    config = deberta.get_config("micro")  # dropout 0.1 stays on: resume must reproduce its masks too
+    config.update_from_flattened_dict(overrides(corpus, **train_fields))
+    return config
+
+
+def restore_params(workdir, step=None):
+    return nnx.to_pure_dict(nnx.state(checkpoint.load_workdir(workdir, step)[1]))
+
+
+def train_losses(workdir):
+    return {r["step"]: r["loss"] for r in metrics_io.read_metrics(workdir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight_run(corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    train.train_and_evaluate(micro_config(corpus), workdir)
+    return workdir
+
+
+def test_resume_equals_straight_run(corpus, straight_run, tmp_path):
+    config = micro_config(corpus)
+    train.train_and_evaluate(config, tmp_path, stop_at_step=STEPS // 2)
+    assert checkpoint.checkpoint_manager(tmp_path, read_only=True).latest_step() == STEPS // 2
+    train.train_and_evaluate(config, tmp_path)
+    resumed, straight = restore_params(tmp_path), restore_params(straight_run)
+    jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+    assert train_losses(tmp_path) == train_losses(straight_run)  # every step's loss, before and after the stop
+    assert sorted(train_losses(tmp_path)) == list(range(1, STEPS + 1))  # no step logged twice
+
+
+def test_eight_devices_match_one(corpus, straight_run, tmp_path):
+    """Same global batch split over 8 fake CPU devices: same losses and parameters to float tolerance."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    flags = [f"--config.{k}={v}" for k, v in overrides(corpus).items()]
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path), *flags],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "8 devices over 1 processes" in result.stderr
+    eight, one = train_losses(tmp_path), train_losses(straight_run)
+    assert sorted(eight) == sorted(one)
+    np.testing.assert_allclose([eight[s] for s in sorted(eight)], [one[s] for s in sorted(one)], rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), restore_params(tmp_path),
+                 restore_params(straight_run))
+
+
+def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
+    config, model, tokenizer = checkpoint.load_workdir(straight_run)
+    assert model.cfg.trained_length == config.data.seq_len == 32
+    assert model.cfg.vocab_size == tokenizer.get_vocab_size()
+    masker = input_pipeline.Masker(SpecialIds.from_tokenizer(tokenizer), tokenizer.get_vocab_size(),
+                                   config.data.mask_prob, config.data.whole_word_masking)
+    packed = data.load_or_pack(config.data.eval_files, tokenizer, config.data.seq_len, config.data.cache_dir)
+    batches = input_pipeline.eval_batches(packed, masker, batch_size=16, max_batches=None,
+                                          process_index=0, process_count=1)[: -(-4 * 8 // 16)]  # eval_batches=4 of 8
+    loss_sum = count = 0.0
+    for batch in batches:
+        logits = np.asarray(model.mlm_logits(batch["input_ids"], batch["attention_mask"]), np.float64)
+        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        picked = np.take_along_axis(log_probs, batch["labels"][..., None], -1)[..., 0]
+        loss_sum -= float((picked * batch["weights"]).sum())
+        count += float(batch["weights"].sum())
+    logged = [r for r in metrics_io.read_metrics(straight_run) if "eval_loss" in r][-1]
+    assert logged["step"] == STEPS
+    np.testing.assert_allclose(loss_sum / count, logged["eval_loss"], rtol=1e-5)
+
+
+def test_load_workdir_best_and_missing_checkpoints(straight_run, tmp_path):
+    evals = {r["step"]: r["eval_loss"] for r in metrics_io.read_metrics(straight_run) if "eval_loss" in r}
+    manager = checkpoint.checkpoint_manager(straight_run, read_only=True)
+    assert manager.best_step() == min(evals, key=evals.get)
+    checkpoint.load_workdir(straight_run, "best")
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step 3"):
+        checkpoint.load_workdir(straight_run, 3)
+    with pytest.raises(FileNotFoundError, match="is not a training workdir"):
+        checkpoint.load_workdir(tmp_path)
+    shutil.copy(straight_run / checkpoint.CONFIG_FILE, tmp_path)
+    shutil.copy(straight_run / checkpoint.TOKENIZER_FILE, tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .* the run has not saved one yet"):
+        checkpoint.load_workdir(tmp_path)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    config = micro_config(corpus, learning_rate=1e10, warmup_steps=0, checkpoint_every=1)
+    with pytest.raises(train.NonFiniteError, match=r"non-finite training metrics at step (\d+)") as info:
+        train.train_and_evaluate(config, tmp_path)
+    bad_step = int(re.search(r"at step (\d+)", str(info.value)).group(1))
+    manager = checkpoint.checkpoint_manager(tmp_path, read_only=True)
+    assert manager.latest_step() == bad_step - 1 >= 1
+    assert f"last good checkpoint is step {bad_step - 1}" in str(info.value)
+    params = restore_params(tmp_path)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    logged = metrics_io.read_metrics(tmp_path)
+    assert max(r["step"] for r in logged) == bad_step - 1  # nothing non-finite was logged
+
+
+def test_interrupted_save_is_ignored_and_cleaned_up(corpus, straight_run, tmp_path):
+    """Orbax writes `<step>.orbax-checkpoint-tmp` and renames it to `<step>` once complete, so a save
+    killed half-way leaves only the temporary directory: not a checkpoint, and removed on resume."""
+    shutil.copytree(straight_run, tmp_path / "run")
+    ckpts = tmp_path / "run" / checkpoint.CHECKPOINT_DIR
+    leftover = ckpts / f"{STEPS + 4}.orbax-checkpoint-tmp"
+    shutil.copytree(ckpts / str(STEPS), leftover)
+    (leftover / "params").rename(leftover / "params.orbax-checkpoint-tmp")  # as if killed mid-write
+    assert checkpoint.checkpoint_manager(tmp_path / "run", read_only=True).latest_step() == STEPS
+    train.train_and_evaluate(micro_config(corpus, num_steps=STEPS + 1), tmp_path / "run")
+    assert not leftover.exists()
+    assert checkpoint.checkpoint_manager(tmp_path / "run", read_only=True).latest_step() == STEPS + 1
+
+
+def step_and_state(accum, batch_size=8):
+    cfg = ModelConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                      hidden_dropout=0.0, attention_dropout=0.0, position_buckets=8, max_relative_positions=16,
+                      max_position_embeddings=32, trained_length=16)
+    schedule = optim.learning_rate_schedule(1e-3, 0, 10, "linear")
+    optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
+    state = jax.jit(train_lib.make_init_fn(cfg, optimizer, seed=0))()
+    step = jax.jit(train_lib.make_train_step(train_lib.model_graphdef(cfg), optimizer, schedule, seed=0,
+                                             grad_accum_steps=accum))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 120, size=(batch_size, 16)).astype(np.int32)
+    weights = (rng.random((batch_size, 16)) < 0.3).astype(np.float32)
+    weights[0, :] = 0.0  # micro-batches with different numbers of masked tokens
+    batch = dict(input_ids=np.where(weights > 0, 4, ids).astype(np.int32), attention_mask=np.ones_like(ids),
+                 labels=ids, weights=weights)
+    return step, state, batch
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    step, state, batch = step_and_state(accum=1)
+    big_state, big = step(state, batch)
+    step4, state4, _ = step_and_state(accum=4)
+    acc_state, acc = step4(state4, batch)
+    for name in ("loss", "accuracy", "grad_norm", "masked_tokens"):
+        np.testing.assert_allclose(acc[name], big[name], rtol=1e-6, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), acc_state.params, big_state.params)
+    assert int(acc_state.step) == 1
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    linear = optim.learning_rate_schedule(1.0, 10, 110, "linear")
+    cosine = optim.learning_rate_schedule(1.0, 10, 110, "cosine")
+    for schedule in (linear, cosine):
+        np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(110)], [0, 0.5, 1, 0], atol=1e-6)
+    np.testing.assert_allclose([linear(60), cosine(60)], [0.5, 0.5], atol=1e-6)
+    np.testing.assert_allclose(cosine(35), 0.5 * (1 + np.cos(np.pi * 0.25)), atol=1e-6)
+    short = optim.learning_rate_schedule(1.0, 100, 20, "linear")  # a run shorter than its warmup
+    np.testing.assert_allclose(short(19), 0.19, atol=1e-6)
+
+
+def test_weight_decay_only_on_dense_kernels():
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                      position_buckets=8, max_relative_positions=16, max_position_embeddings=32, use_emd=True)
+    params = train_lib.init_params(cfg, seed=0)
+    decayed = {jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_leaves_with_path(optim.weight_decay_mask(params)) if d}
+    assert decayed and all(path.endswith("['kernel']") for path in decayed)
+    for table in ("['embeddings']['word_embeddings']", "['embeddings']['position_embeddings']",
+                  "['encoder']['rel_embeddings']", "['head_bias']", "['head_norm']['scale']",
+                  "['encoder']['layers'][0]['attention']['query_proj']['bias']"):
+        assert table not in decayed
+    assert "['encoder']['layers'][0]['attention']['query_proj']['kernel']" in decayed
+    # With zero gradients only decay moves parameters: kernels shrink, everything else stays.
+    optimizer = optax.adamw(1.0, weight_decay=0.5, mask=optim.weight_decay_mask)
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(p) for p, u in jax.tree_util.tree_leaves_with_path(updates) if np.any(u != 0)}
+    assert moved == {p for p in decayed if np.any(_leaf(params, p) != 0)}
+
+
+def _leaf(tree, keystr):
+    return dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree))[keystr]
+
+
+def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
+    state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
+    manager = checkpoint.checkpoint_manager(tmp_path, keep=2)
+    for step, eval_loss in [(1, 3.0), (2, 2.0), (3, None), (4, 4.0), (5, None), (6, 5.0)]:
+        metrics = None if eval_loss is None else {"eval_loss": eval_loss}
+        checkpoint.save(manager, state.replace(step=jnp.asarray(step)), metrics)
+    assert manager.all_steps() == [2, 5, 6]
+    assert manager.best_step() == 2
+
+
+def test_metrics_writer_drops_lines_past_the_resumed_step(tmp_path):
+    writer = metrics_io.MetricsWriter(tmp_path, resume_step=0)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": float(step)})
+    writer.close()
+    metrics_io.MetricsWriter(tmp_path, resume_step=2).close()
+    assert [r["step"] for r in metrics_io.read_metrics(tmp_path)] == [1, 2]
+    assert json.loads((tmp_path / metrics_io.METRICS_FILE).read_text().splitlines()[0]) == {"step": 1, "loss": 1.0}

@@ -1,0 +1,242 @@
+"""Masked-LM pre-training of BERT (entangled) and DeBERTa (disentangled) encoders.
+
+    python train.py --config configs/deberta.py:tiny --workdir runs/deberta_tiny \
+        --config.data.train_files=../shared/data/brown/train.txt \
+        --config.data.eval_files=../shared/data/brown/valid.txt \
+        --config.train.num_steps=2000
+
+Rerunning the same command resumes from the latest checkpoint in --workdir, exactly: data order,
+masks and dropout are functions of (config.seed, step). `deberta_jax.checkpoint.load_workdir`
+rebuilds the trained model from the workdir alone.
+
+Devices: data parallel over every device (`jax.make_mesh`), parameters replicated. Several
+processes (multi-host TPU/GPU): pass --multiprocess to call `jax.distributed.initialize()`, which
+auto-detects TPU pods, SLURM, Open MPI and Kubernetes; for a manual launch set
+JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process
+(setting JAX_COORDINATOR_ADDRESS alone also turns multi-process mode on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging as pylogging
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_dict, config_flags
+from tqdm import tqdm
+
+from deberta_jax import checkpoint, data, input_pipeline, metrics_io, optim, run_config, sharding, train_lib
+from deberta_jax import tokenizer as tokenizer_lib
+from deberta_jax.text import load_documents
+
+config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics; resumed if it has any.")
+flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() (multi-host runs).")
+flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
+                     "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
+
+FLAGS = flags.FLAGS
+
+# Training metrics checked for NaN/inf before anything is logged or saved.
+FINITE_METRICS = ("loss", "grad_norm", "param_norm")
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced NaN or inf; the run stopped without saving the bad state."""
+
+
+def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
+    """The workdir's own tokenizer when resuming, else config.data.tokenizer, else one trained on train_files."""
+    own = workdir / checkpoint.TOKENIZER_FILE
+    if own.is_file():
+        return tokenizer_lib.load_tokenizer(own)
+    if config.data.tokenizer:
+        return tokenizer_lib.load_tokenizer(config.data.tokenizer)
+    logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
+    return tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
+
+
+def first_non_finite(pending: list[tuple[int, dict]]) -> tuple[int, dict] | None:
+    """The first (step, metrics) whose loss, gradient norm or parameter norm is not finite."""
+    for step, metrics in pending:
+        values = {name: float(metrics[name]) for name in FINITE_METRICS}
+        if not all(np.isfinite(v) for v in values.values()):
+            return step, values
+    return None
+
+
+def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
+    """Means of loss, accuracy and gradient norm over the steps since the last log; rate and
+    parameter norm at the last of them."""
+    values = [metrics for _, metrics in pending]
+    mean = lambda name: float(np.mean([m[name] for m in values]))  # noqa: E731
+    last = values[-1]
+    return dict(loss=mean("loss"), accuracy=mean("accuracy"), grad_norm=mean("grad_norm"),
+                learning_rate=float(last["learning_rate"]), param_norm=float(last["param_norm"]))
+
+
+def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
+    """Trains (or resumes) the run in `workdir`; returns the last logged metrics."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+
+    # ------------------------------------------------------------------ config & mesh
+    mesh = sharding.data_mesh()
+    model_config = run_config.validate(config, num_devices=jax.device_count())
+    train_cfg, seq_len = config.train, config.data.seq_len
+    if train_cfg.warmup_steps >= train_cfg.num_steps:
+        logging.warning("config.train.warmup_steps=%d >= num_steps=%d: the run ends before the learning rate "
+                        "reaches its peak", train_cfg.warmup_steps, train_cfg.num_steps)
+    logging.info("%d devices over %d processes; mesh %s", jax.device_count(), jax.process_count(), mesh.shape)
+
+    # ------------------------------------------------------------------ input
+    tokenizer = prepare_tokenizer(config, workdir)
+    vocab_size = tokenizer.get_vocab_size()
+    model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
+    if is_main:
+        tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
+        checkpoint.write_config(workdir, run_config.resolved(config, model_config))
+    masker = input_pipeline.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
+                                   config.data.mask_prob, config.data.whole_word_masking)
+    train_data = data.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
+    evals = []
+    if config.data.eval_files:
+        eval_data = data.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
+        evals = input_pipeline.eval_batches(eval_data, masker, batch_size=train_cfg.batch_size,
+                                            max_batches=train_cfg.eval_batches,
+                                            process_index=jax.process_index(), process_count=jax.process_count())
+    logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
+
+    # ------------------------------------------------------------------ model & optimizer
+    schedule = optim.learning_rate_schedule(train_cfg.learning_rate, train_cfg.warmup_steps,
+                                            train_cfg.num_steps, train_cfg.schedule)
+    optimizer = optim.make_optimizer(train_cfg, schedule)
+    graphdef = train_lib.model_graphdef(model_config)
+    init_fn = train_lib.make_init_fn(model_config, optimizer, config.seed)
+
+    # ------------------------------------------------------------------ state & sharding
+    abstract_state = jax.eval_shape(init_fn)
+    replicated = sharding.replicated(mesh)
+    state_sharding = jax.tree.map(lambda _: replicated, abstract_state)
+    batch_sharding = sharding.batch_sharding(mesh)
+    num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
+    logging.info("model: %s, %.2fM parameters", model_config, num_params / 1e6)
+
+    # ------------------------------------------------------------------ step
+    train_step = jax.jit(
+        train_lib.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
+                                  grad_accum_steps=train_cfg.grad_accum_steps),
+        in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
+        donate_argnums=0)
+    eval_step = jax.jit(train_lib.make_eval_step(graphdef), in_shardings=(state_sharding.params, batch_sharding),
+                        out_shardings=replicated)
+
+    # ------------------------------------------------------------------ checkpoint: resume or initialize
+    manager = checkpoint.checkpoint_manager(workdir, keep=train_cfg.keep_checkpoints)
+    latest = manager.latest_step()
+    if latest is None:
+        state = jax.jit(init_fn, out_shardings=state_sharding)()
+    else:
+        logging.info("resuming from the checkpoint at step %d", latest)
+        targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                               abstract_state, state_sharding)
+        state = checkpoint.restore(manager, latest, targets)
+    start_step = int(state.step)
+
+    # ------------------------------------------------------------------ evals
+    def evaluate(params) -> dict[str, float]:
+        """Masked-LM loss and accuracy over all eval batches: sums added on device, divided once."""
+        totals = None
+        for batch in evals:
+            sums = eval_step(params, sharding.global_batch(batch, batch_sharding))
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+        totals = jax.device_get(totals)
+        count = max(float(totals["count"]), 1.0)
+        return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
+
+    # ------------------------------------------------------------------ loop
+    last_step = train_cfg.num_steps if stop_at_step is None else min(train_cfg.num_steps, stop_at_step)
+    tokens_per_step = train_cfg.batch_size * seq_len
+    writer = metrics_io.MetricsWriter(workdir, resume_step=start_step, enabled=is_main)
+    bar = tqdm(total=train_cfg.num_steps, initial=start_step, desc="train", unit="step", disable=not is_main)
+    pending: list[tuple[int, dict]] = []  # (step, device metrics) not yet logged
+    record: dict[str, float] = {}
+    timer_start, timer_steps = time.perf_counter(), 0
+
+    def stop_if_non_finite():
+        bad = first_non_finite(pending)
+        if bad is not None:
+            step, values = bad
+            latest = manager.latest_step()
+            kept = ("no checkpoint was saved before it" if latest is None else
+                    f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
+            raise NonFiniteError(
+                f"non-finite training metrics at step {step}: {values}. Stopped without saving; {kept}. "
+                "Lower config.train.learning_rate, raise warmup_steps, or check the data.")
+
+    try:
+        for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
+            rows = input_pipeline.train_batch(
+                train_data, masker, batch_size=train_cfg.batch_size, step=step - 1, seed=config.seed,
+                process_index=jax.process_index(), process_count=jax.process_count())
+            state, metrics = train_step(state, sharding.global_batch(rows, batch_sharding))
+            pending.append((step, metrics))
+            timer_steps += 1
+            bar.update()
+            if step == start_step + 1:  # exclude compilation from tokens/s
+                jax.block_until_ready(metrics)
+                timer_start, timer_steps = time.perf_counter(), 0
+
+            final, stopping = step == train_cfg.num_steps, step == last_step
+            record = {}
+            if step % train_cfg.log_every == 0 or stopping:
+                pending = [(s, m) for s, m in jax.device_get(pending)]
+                stop_if_non_finite()
+                elapsed = time.perf_counter() - timer_start
+                record.update(summarize(pending))
+                if timer_steps:
+                    record["tokens_per_s"] = timer_steps * tokens_per_step / elapsed
+                pending = []
+                bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                **({"tok_s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else {}))
+            eval_metrics = None
+            if evals and (step % train_cfg.eval_every == 0 or final):
+                eval_metrics = evaluate(state.params)
+                record.update(eval_metrics)
+            if record:
+                writer.write(step, record)
+                logging.info("step %d: %s", step, record)
+            saving = step % train_cfg.checkpoint_every == 0 or eval_metrics is not None or stopping
+            if saving:
+                stop_if_non_finite()
+                checkpoint.save(manager, state, eval_metrics)
+            if record or saving:  # time only training steps
+                timer_start, timer_steps = time.perf_counter(), 0
+    finally:
+        bar.close()
+        writer.close()
+        manager.close()
+    return record
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # Orbax logs every step of every save at INFO; keep its warnings and errors only.
+    logging.get_absl_logger().addFilter(lambda record: record.levelno >= pylogging.WARNING
+                                        or "/orbax/" not in record.pathname)
+    if FLAGS.multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        env_int = lambda name: int(os.environ[name]) if name in os.environ else None  # noqa: E731
+        jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))
+    train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config", "workdir"])
+    app.run(main)
