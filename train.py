@@ -61,6 +61,20 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
     return tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
 
 
+def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
+    """Refuses to continue a workdir's checkpoints with another model; logs every other change."""
+    changes = run_config.differences(checkpoint.read_config(workdir), run)
+    model_changes = {k: v for k, v in changes.items() if k.startswith("model.")}
+    if model_changes:
+        raise run_config.ConfigError(
+            f"{workdir} holds checkpoints of another model; changed: "
+            + ", ".join(f"config.{k} {a!r} -> {b!r}" for k, (a, b) in model_changes.items())
+            + ". Use a new --workdir, or the saved config.json's model values.")
+    for key, (before, after) in changes.items():
+        logging.warning("config.%s changed from %r to %r since %s was written", key, before, after,
+                        checkpoint.CONFIG_FILE)
+
+
 def first_non_finite(pending: list[tuple[int, dict]]) -> tuple[int, dict] | None:
     """The first (step, metrics) whose loss, gradient norm or parameter norm is not finite."""
     for step, metrics in pending:
@@ -99,9 +113,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     tokenizer = prepare_tokenizer(config, workdir)
     vocab_size = tokenizer.get_vocab_size()
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
-    if is_main:
-        tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
-        checkpoint.write_config(workdir, run_config.resolved(config, model_config))
+    run = run_config.resolved(config, model_config)  # what config.json records
     masker = input_pipeline.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                                    config.data.mask_prob, config.data.whole_word_masking)
     train_data = data.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
@@ -144,10 +156,14 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
         state = jax.jit(init_fn, out_shardings=state_sharding)()
     else:
         logging.info("resuming from the checkpoint at step %d", latest)
+        check_resumable(workdir, run)
         targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                abstract_state, state_sharding)
         state = checkpoint.restore(manager, latest, targets)
     start_step = int(state.step)
+    if is_main:
+        tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
+        checkpoint.write_config(workdir, run)
 
     # ------------------------------------------------------------------ evals
     def evaluate(params) -> dict[str, float]:
@@ -196,7 +212,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
             final, stopping = step == train_cfg.num_steps, step == last_step
             record = {}
             if step % train_cfg.log_every == 0 or stopping:
-                pending = [(s, m) for s, m in jax.device_get(pending)]
+                pending = jax.device_get(pending)
                 stop_if_non_finite()
                 elapsed = time.perf_counter() - timer_start
                 record.update(summarize(pending))

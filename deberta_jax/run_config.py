@@ -120,3 +120,17 @@ def resolved(config: config_dict.ConfigDict, model_config: ModelConfig) -> confi
     out = config_dict.ConfigDict(config.to_dict())
     out.model = config_dict.ConfigDict(model_config.to_dict())
     return out
+
+
+def differences(old: config_dict.ConfigDict, new: config_dict.ConfigDict) -> dict[str, tuple]:
+    """`{"train.num_steps": (old, new), ...}` for every leaf that was added, removed or changed."""
+    def flat(d, prefix=""):
+        out = {}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+    a, b = flat(old.to_dict()), flat(new.to_dict())
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}

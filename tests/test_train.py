@@ -138,6 +138,14 @@ def test_load_workdir_best_and_missing_checkpoints(straight_run, tmp_path):
         checkpoint.load_workdir(tmp_path)
 
 
+def test_resuming_with_another_model_is_refused(corpus, straight_run, tmp_path):
+    shutil.copytree(straight_run, tmp_path / "run")
+    config = micro_config(corpus, num_steps=STEPS + 1)
+    config.model.hidden_dropout = 0.0
+    with pytest.raises(ValueError, match=r"holds checkpoints of another model; changed: config.model.hidden_dropout 0.1 -> 0.0"):
+        train.train_and_evaluate(config, tmp_path / "run")
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     config = micro_config(corpus, learning_rate=1e10, warmup_steps=0, checkpoint_every=1)
     with pytest.raises(train.NonFiniteError, match=r"non-finite training metrics at step (\d+)") as info:
