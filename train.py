@@ -75,13 +75,20 @@ def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
                         checkpoint.CONFIG_FILE)
 
 
-def first_non_finite(pending: list[tuple[int, dict]]) -> tuple[int, dict] | None:
-    """The first (step, metrics) whose loss, gradient norm or parameter norm is not finite."""
+def check_steps(pending: list[tuple[int, dict]], last_good: str) -> None:
+    """Stops the run at the first step whose loss, gradient norm or parameter norm is not finite, or
+    whose masked tokens overflowed the MLM head's static budget (`train_lib.prediction_budget`)."""
     for step, metrics in pending:
         values = {name: float(metrics[name]) for name in FINITE_METRICS}
         if not all(np.isfinite(v) for v in values.values()):
-            return step, values
-    return None
+            raise NonFiniteError(
+                f"non-finite training metrics at step {step}: {values}. Stopped without saving; {last_good}. "
+                "Lower config.train.learning_rate, raise warmup_steps, or check the data.")
+        if int(metrics["dropped"]):
+            raise RuntimeError(
+                f"step {step} masked {int(metrics['dropped'])} tokens more than the MLM head scores "
+                f"(train_lib.prediction_budget, mean + 8 sigma); stopped without saving; {last_good}. "
+                "The masking rate no longer matches config.data.mask_prob: check deberta_jax.masking.")
 
 
 def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
@@ -143,10 +150,10 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     # ------------------------------------------------------------------ step
     train_step = jax.jit(
         train_lib.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
-                                  grad_accum_steps=train_cfg.grad_accum_steps),
+                                  grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob),
         in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
         donate_argnums=0)
-    eval_step = jax.jit(train_lib.make_eval_step(graphdef), in_shardings=(state_sharding.params, batch_sharding),
+    eval_step = jax.jit(train_lib.make_eval_step(graphdef, mask_prob=config.data.mask_prob), in_shardings=(state_sharding.params, batch_sharding),
                         out_shardings=replicated)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
@@ -173,6 +180,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
             sums = eval_step(params, sharding.global_batch(batch, batch_sharding))
             totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
         totals = jax.device_get(totals)
+        if int(totals["dropped"]):
+            raise RuntimeError(f"evaluation masked {int(totals['dropped'])} tokens more than the MLM head scores "
+                               "(train_lib.prediction_budget); the eval loss would be wrong")
         count = max(float(totals["count"]), 1.0)
         return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
 
@@ -185,16 +195,10 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     record: dict[str, float] = {}
     timer_start, timer_steps = time.perf_counter(), 0
 
-    def stop_if_non_finite():
-        bad = first_non_finite(pending)
-        if bad is not None:
-            step, values = bad
-            latest = manager.latest_step()
-            kept = ("no checkpoint was saved before it" if latest is None else
+    def check_pending_steps():
+        latest = manager.latest_step()
+        check_steps(pending, "no checkpoint was saved before it" if latest is None else
                     f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
-            raise NonFiniteError(
-                f"non-finite training metrics at step {step}: {values}. Stopped without saving; {kept}. "
-                "Lower config.train.learning_rate, raise warmup_steps, or check the data.")
 
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
@@ -213,7 +217,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
             record = {}
             if step % train_cfg.log_every == 0 or stopping:
                 pending = jax.device_get(pending)
-                stop_if_non_finite()
+                check_pending_steps()
                 elapsed = time.perf_counter() - timer_start
                 record.update(summarize(pending))
                 if timer_steps:
@@ -230,7 +234,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
                 logging.info("step %d: %s", step, record)
             saving = step % train_cfg.checkpoint_every == 0 or eval_metrics is not None or stopping
             if saving:
-                stop_if_non_finite()
+                check_pending_steps()
                 checkpoint.save(manager, state, eval_metrics)
             if record or saving:  # time only training steps
                 timer_start, timer_steps = time.perf_counter(), 0

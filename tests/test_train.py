@@ -182,7 +182,7 @@ def step_and_state(accum, batch_size=8):
     optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
     state = jax.jit(train_lib.make_init_fn(cfg, optimizer, seed=0))()
     step = jax.jit(train_lib.make_train_step(train_lib.model_graphdef(cfg), optimizer, schedule, seed=0,
-                                             grad_accum_steps=accum))
+                                             grad_accum_steps=accum, mask_prob=0.3))
     rng = np.random.default_rng(0)
     ids = rng.integers(5, 120, size=(batch_size, 16)).astype(np.int32)
     weights = (rng.random((batch_size, 16)) < 0.3).astype(np.float32)
@@ -201,6 +201,27 @@ def test_gradient_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(acc[name], big[name], rtol=1e-6, err_msg=name)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), acc_state.params, big_state.params)
     assert int(acc_state.step) == 1
+
+
+def test_masked_lm_sums_score_only_masked_positions_exactly():
+    _, state, batch = step_and_state(accum=1)
+    cfg = ModelConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                      position_buckets=8, max_relative_positions=16, max_position_embeddings=32, trained_length=16)
+    model = nnx.merge(train_lib.model_graphdef(cfg), state.params)
+    logits = model.mlm_logits(batch["input_ids"], batch["attention_mask"])
+    full = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    masked = int(batch["weights"].sum())
+    sums = train_lib.masked_lm_sums(model, batch, budget=train_lib.prediction_budget(batch["weights"].size, 0.3))
+    np.testing.assert_allclose(sums["loss_sum"], (full * batch["weights"]).sum(), rtol=1e-6)
+    np.testing.assert_allclose(sums["correct_sum"], ((logits.argmax(-1) == batch["labels"]) * batch["weights"]).sum())
+    assert (float(sums["count"]), int(sums["dropped"])) == (masked, 0)
+    over = train_lib.masked_lm_sums(model, batch, budget=masked - 3)
+    assert (float(over["count"]), int(over["dropped"])) == (masked - 3, 3)
+
+
+def test_prediction_budget_leaves_8_sigma_headroom():
+    assert train_lib.prediction_budget(32 * 128, 0.15) == 903  # 614.4 + 8 * sqrt(2 * 614.4) + 8, of 4096
+    assert train_lib.prediction_budget(64, 0.5) == 64  # never more than the batch
 
 
 def test_schedule_warms_up_then_decays_to_zero():
