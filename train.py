@@ -245,12 +245,18 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     return record
 
 
+def quiet_orbax(record: pylogging.LogRecord) -> bool:
+    """Drops orbax's INFO records (every stage of every save) and its warning that a checkpoint was
+    saved without eval metrics (expected: only evaluation steps carry them)."""
+    if "/orbax/" not in record.pathname:
+        return True
+    return record.levelno >= pylogging.WARNING and "did not provide metrics" not in record.getMessage()
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    # Orbax logs every step of every save at INFO; keep its warnings and errors only.
-    logging.get_absl_logger().addFilter(lambda record: record.levelno >= pylogging.WARNING
-                                        or "/orbax/" not in record.pathname)
+    logging.get_absl_logger().addFilter(quiet_orbax)
     if FLAGS.multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         env_int = lambda name: int(os.environ[name]) if name in os.environ else None  # noqa: E731
         jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))

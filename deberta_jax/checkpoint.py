@@ -66,13 +66,10 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
 
 def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None) -> None:
     """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best."""
-    step = int(state.step)
-    if step in manager.all_steps():
-        return
     args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                               opt_state=ocp.args.StandardSave(state.opt_state))
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
-    manager.save(step, args=args, metrics=metrics)
+    manager.save(int(state.step), args=args, metrics=metrics)
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainState) -> TrainState:
