@@ -1,8 +1,10 @@
-"""Self-attention: the score functions of every attention variant, the softmax kernel, and the module.
+"""Self-attention: the score functions of every attention variant and the module.
 
 The *variant* (how scores are made) is separate from the *kernel* (how masked scores become a
-context vector): `entangled_scores` and `disentangled_scores` are pure functions of projected
-tensors, and `dense_attention` turns scores into outputs. The three DeBERTa terms live in one place,
+context vector, `deberta_jax.kernels`): `entangled_scores` and `disentangled_scores` are pure
+functions of projected tensors, `attention_scores` serves either to a kernel for any subset of keys
+(all of them for the dense kernel, one block at a time for the blockwise one), and `SelfAttention`
+projects, picks the variant and the kernel. The three DeBERTa terms live in one place,
 `disentangled_scores`. The literature baselines reuse the dot product: RoPE rotates q and k first
 (`positions.apply_rope`), ALiBi and T5 add a position bias to it.
 
@@ -13,6 +15,7 @@ the number of relative-table rows this sequence length can reach (see `PositionC
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -20,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax import positions
+from deberta_jax import kernels, positions
 from deberta_jax.config import ModelConfig
 from deberta_jax.layers import dense
-
-NEG_INF = float(np.finfo(np.float32).min)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +35,13 @@ class PositionContext:
     - `position_ids` `[1 or B, N]`: token positions, read by absolute embeddings and RoPE; `0..N-1`
       (numpy), or sampled per sequence when `sampled` (randomized positions in training), in which
       case a learned table reads those rows directly instead of applying the out-of-range policy;
-    - `bias` `[H, N, N]`: score bias added by ALiBi and T5, else None;
+    - `bias` `[H, 2N - 1]`: score bias added by ALiBi and T5 per distance `i - j`
+      (`positions.distances`), else None;
     - `rel_embeddings` / `rel_index` (disentangled): the (LayerNorm'd) relative-table rows `[R, hidden]`
-      that the current length can reach, and `rel_index[i, j]` (numpy, `[N, N]`) pointing into them.
+      that the current length can reach, and the row for each distance `i - j` (numpy, `[2N - 1]`).
       Projecting only reachable rows keeps short sequences from paying for the whole 2k-row table.
+    Position terms are stored per distance, not per (i, j), so a blockwise kernel expands only the
+    `[N, block]` slice it needs (`positions.toeplitz`) and memory stays linear in length.
     """
 
     position_ids: jax.Array | np.ndarray
@@ -73,49 +77,48 @@ def entangled_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None = None) 
 def disentangled_scores(
     q: jax.Array,
     k: jax.Array,
-    pos_q: jax.Array | None,
-    pos_k: jax.Array | None,
-    index: np.ndarray,
-    pos_att_type: tuple[str, ...],
+    c2p: jax.Array | None,
+    p2c: jax.Array | None,
+    index: np.ndarray | jax.Array,
 ) -> jax.Array:
     """DeBERTa: `(q_i.k_j + q_i.Kr[idx_ij] + k_j.Qr[idx_ij]) / sqrt(d * (1 + n_pos_terms))`.
 
-    c2p and p2c are computed as `[B, H, N, R]` products against the R reachable table rows and then
-    gathered with `take_along_axis`; `[N, N, d]` relative embeddings are never materialized. Both
-    terms use the same index `idx_ij = bucket(i - j) + k` (see `positions.relative_index`).
+    `c2p` `[B, H, Nq, R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk, R]` (`k_j . Qr[r]`) are the products
+    with the R reachable table rows, or None when the term is off; `index` `[Nq, Nk]` is `idx_ij =
+    bucket(i - j) + k` for these queries and keys (see `positions.relative_index_by_distance`).
+    Both terms are gathered with `take_along_axis`: `[N, N, d]` relative embeddings are never built.
     """
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    scale = math.sqrt(q.shape[-1] * (1 + len(pos_att_type)))
+    n_terms = (c2p is not None) + (p2c is not None)
+    scale = math.sqrt(q.shape[-1] * (1 + n_terms))
+    index = jnp.asarray(index)
     scores = jnp.einsum("bhid,bhjd->bhij", q, k)
-    if "c2p" in pos_att_type:
-        c2p = jnp.einsum("bhid,hrd->bhir", q, pos_k)
-        scores = scores + jnp.take_along_axis(c2p, jnp.asarray(index)[None, None], axis=-1)
-    if "p2c" in pos_att_type:
-        # p2c[b, h, j, r] = k_j . Qr[r]; the score for (i, j) reads row idx_ij of key j's vector.
-        p2c = jnp.einsum("bhjd,hrd->bhjr", k, pos_q)
-        gathered = jnp.take_along_axis(p2c, jnp.asarray(index.T)[None, None], axis=-1)  # [b, h, j, i]
-        scores = scores + jnp.swapaxes(gathered, -1, -2)
-    assert scores.shape[-2:] == (n_q, n_k)
+    if c2p is not None:
+        scores = scores + jnp.take_along_axis(c2p, index[None, None], axis=-1)
+    if p2c is not None:
+        # The score for (i, j) reads row idx_ij of key j's vector: gather [b, h, j, i], then transpose.
+        scores = scores + jnp.swapaxes(jnp.take_along_axis(p2c, index.T[None, None], axis=-1), -1, -2)
     return scores / jnp.asarray(scale, scores.dtype)
 
 
-def dense_attention(
-    scores: jax.Array,
-    key_mask: jax.Array,
-    v: jax.Array,
-    dropout: nnx.Dropout,
-    rngs: nnx.Rngs | None,
-) -> jax.Array:
-    """Masked softmax over keys in float32, dropout on the probabilities, weighted sum of values.
+def attention_scores(shared: dict, keys: dict, key_positions, *, key_len: int,
+                     rel_index: np.ndarray | None = None) -> jax.Array:
+    """Scores of every query (positions `0..Nq-1`) against the keys at `key_positions`: the score
+    function every kernel calls (see `deberta_jax.kernels`).
 
-    `key_mask` is `[B, N]` (1 = real token). Only keys are masked: outputs at real tokens do not
-    depend on how much padding follows, which is what makes padded batches safe.
+    `shared` holds `q` `[B, H, Nq, d]` and, by variant, `c2p` `[B, H, Nq, R]` (DeBERTa) or a per-distance
+    `bias` `[H, Nq + key_len - 1]` (ALiBi, T5); `keys` holds `k` `[B, H, nk, d]` and, for DeBERTa's
+    p2c, `p2c` `[B, H, nk, R]`, for the `nk` keys at `key_positions`. `rel_index` (per distance, numpy)
+    selects the disentangled variant; without it the scores are the (biased) dot product.
     """
-    scores = scores.astype(jnp.float32)
-    scores = jnp.where(key_mask[:, None, None, :].astype(bool), scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = dropout(probs, deterministic=rngs is None, rngs=rngs)
-    return jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), v)
+    q = shared["q"]
+    query_positions = np.arange(q.shape[-2])
+    if rel_index is None:
+        bias = shared.get("bias")
+        if bias is not None:
+            bias = positions.toeplitz(bias, query_positions, key_positions, key_len)
+        return entangled_scores(q, keys["k"], bias)
+    index = positions.toeplitz(rel_index, query_positions, key_positions, key_len)
+    return disentangled_scores(q, keys["k"], shared.get("c2p"), keys.get("p2c"), index)
 
 
 class SelfAttention(nnx.Module):
@@ -131,7 +134,6 @@ class SelfAttention(nnx.Module):
         self.pos_key_proj = dense(cfg, h, h, rngs) if separate and "c2p" in cfg.pos_att_type else None
         self.pos_query_proj = dense(cfg, h, h, rngs) if separate and "p2c" in cfg.pos_att_type else None
         self.pos_dropout = nnx.Dropout(cfg.hidden_dropout)
-        self.dropout = nnx.Dropout(cfg.attention_dropout)
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""
@@ -157,13 +159,23 @@ class SelfAttention(nnx.Module):
         q = split_heads(self.query_proj(query_states), cfg.num_heads)
         k = split_heads(self.key_proj(hidden), cfg.num_heads)
         v = split_heads(self.value_proj(hidden), cfg.num_heads)
+        shared, keys, rel_index = {"q": q}, {"k": k}, None
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
-            scores = disentangled_scores(q, k, pos_q, pos_k, ctx.rel_index, cfg.pos_att_type)
+            if pos_k is not None:
+                shared["c2p"] = jnp.einsum("bhid,hrd->bhir", q, pos_k)
+            if pos_q is not None:
+                keys["p2c"] = jnp.einsum("bhjd,hrd->bhjr", k, pos_q)
+            rel_index = ctx.rel_index
         else:
             if cfg.attention == "rope":
                 ids = ctx.position_ids[:, None]  # [1 or B, 1, N] against [B, H, N, d]
-                q = positions.apply_rope(q, ids, cfg.rope_theta)
-                k = positions.apply_rope(k, ids, cfg.rope_theta)
-            scores = entangled_scores(q, k, ctx.bias)
-        return merge_heads(dense_attention(scores, key_mask, v, self.dropout, rngs))
+                shared["q"] = positions.apply_rope(q, ids, cfg.rope_theta)
+                keys["k"] = positions.apply_rope(k, ids, cfg.rope_theta)
+            if ctx.bias is not None:
+                shared["bias"] = ctx.bias
+        score_fn = functools.partial(attention_scores, key_len=k.shape[-2], rel_index=rel_index)
+        dropout_key = rngs.dropout() if rngs is not None and cfg.attention_dropout > 0 else None
+        kernel = kernels.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
+        return merge_heads(kernel(score_fn, shared, keys, v, key_mask,
+                                  dropout_rate=cfg.attention_dropout, dropout_key=dropout_key))

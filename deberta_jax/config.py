@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
+ATTENTION_KERNELS = ("dense", "blockwise")
 ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
 POS_ATT_TYPES = ("c2p", "p2c")
 NORM_REL_EBD = ("none", "layer_norm")
@@ -45,6 +46,12 @@ class ModelConfig:
       - "t5_bias": dot product plus a learned per-head bias for T5's bidirectional log buckets of
         `i - j` (`t5_num_buckets`, `t5_max_distance`; Raffel et al.), one table shared by all layers.
     Every variant can be combined with absolute positions at the input (`position_biased_input`).
+
+    `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
+    materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
+    over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens).
+    Both give the same results to float rounding and load the same parameters, so a model trained
+    with one can be evaluated with the other.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
     without any absolute positions or RoPE to act on) are rejected.
@@ -87,6 +94,8 @@ class ModelConfig:
     type_vocab_size: int = 0
 
     attention: str = "disentangled"
+    attention_kernel: str = "dense"
+    attention_block_size: int = 512
     position_biased_input: bool = False
     max_position_embeddings: int = 512
     trained_length: int | None = None
@@ -164,6 +173,11 @@ class ModelConfig:
                 _fail(name, getattr(self, name), "must be in [0, 1)")
         if self.attention not in ATTENTION_VARIANTS:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
+        if self.attention_block_size < 1:
+            _fail("attention_block_size", self.attention_block_size,
+                  "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")
         if self.attention == "rope":
             if self.head_dim % 2:
                 _fail("num_heads", self.num_heads,

@@ -135,7 +135,7 @@ class Encoder(nnx.Module):
             if self.rel_norm is not None:
                 # Row-wise, so normalizing a slice equals slicing the normalized table.
                 rel_embeddings = self.rel_norm(rel_embeddings)
-            rel_index = np.asarray(positions.relative_index(seq_len, seq_len, **kw) - lo)
+            rel_index = positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo
         return PositionContext(position_ids=ids, sampled=sampled, bias=bias,
                                rel_embeddings=rel_embeddings, rel_index=rel_index)
 

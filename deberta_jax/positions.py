@@ -44,8 +44,31 @@ def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: in
     return bucket.astype(np.int32)
 
 
+def distances(query_len: int, key_len: int) -> np.ndarray:
+    """Every `i - j` of a `[query_len, key_len]` score matrix in increasing order (int32, `query_len + key_len - 1`).
+
+    A Toeplitz quantity (one that depends on `i - j` only) is stored as a vector over these distances
+    (entry `i - j + key_len - 1`) and expanded with `toeplitz`: `O(N)` memory and work to build
+    instead of `O(N^2)`, and blockwise attention reads only the entries a block of keys needs.
+    """
+    return np.arange(-(key_len - 1), query_len, dtype=np.int32)
+
+
+def toeplitz(table, query_positions, key_positions, key_len: int):
+    """Expand a per-distance `table` `[..., query_len + key_len - 1]` to `[..., Nq', Nk']` for the given
+    query and key positions (entry `[..., a, b]` = `table[..., q_a - k_b + key_len - 1]`).
+
+    Numpy in, numpy out (a constant of the traced program); traced positions (a block of keys inside
+    a loop) give a jnp gather. Positions must lie in `[0, query_len)` / `[0, key_len)`.
+    """
+    index = np.asarray(query_positions)[:, None] - key_positions[None, :] + (key_len - 1)
+    if isinstance(table, np.ndarray) and isinstance(index, np.ndarray):
+        return table[..., index]
+    return jnp.take(jnp.asarray(table), index, axis=-1)
+
+
 @functools.lru_cache(maxsize=64)
-def relative_index(
+def relative_index_by_distance(
     query_len: int,
     key_len: int,
     *,
@@ -53,7 +76,7 @@ def relative_index(
     max_relative_positions: int,
     clamp: bool = True,
 ) -> np.ndarray:
-    """Row of the `2k`-row relative table used for each (query i, key j): `bucket(i - j) + k`.
+    """Row of the `2k`-row relative table used at each distance `i - j` (see `distances`): `bucket(i - j) + k`.
 
     The same index serves content-to-position and position-to-content (the reference code's p2c index
     `-bucket(j - i)` equals `bucket(i - j)` because the bucketing is odd-symmetric).
@@ -64,7 +87,7 @@ def relative_index(
     clip to `[0, 2k - 1]` sends `j - i >= max_relative_positions` to row 0, which no in-range distance
     ever uses and so was never trained. Either way the index is always valid: never NaN rows.
     """
-    rel = relative_positions(query_len, key_len)
+    rel = distances(query_len, key_len)
     if clamp:
         rel = np.clip(rel, -(max_relative_positions - 1), max_relative_positions - 1)
     if position_buckets > 0:
@@ -75,9 +98,15 @@ def relative_index(
     return index
 
 
+def relative_index(query_len: int, key_len: int, **kw) -> np.ndarray:
+    """`relative_index_by_distance` expanded to `[query_len, key_len]`: the table row for each (i, j)."""
+    return toeplitz(relative_index_by_distance(query_len, key_len, **kw),
+                       np.arange(query_len), np.arange(key_len), key_len)
+
+
 def relative_rows_used(query_len: int, key_len: int, **kw) -> tuple[int, int]:
     """[lo, hi) range of relative-table rows a length can touch; lets attention slice the table."""
-    index = relative_index(query_len, key_len, **kw)
+    index = relative_index_by_distance(query_len, key_len, **kw)
     return int(index.min()), int(index.max()) + 1
 
 
@@ -172,14 +201,14 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 
 def alibi_bias(query_len: int, key_len: int, num_heads: int) -> jax.Array:
-    """Symmetric ALiBi score bias `-m_h * |i - j|`, float32 `[num_heads, query_len, key_len]`.
+    """Symmetric ALiBi score bias `-m_h * |i - j|` per distance, float32 `[num_heads, query_len + key_len - 1]`
+    (expand with `toeplitz`).
 
     Press et al. define ALiBi for causal decoders (`j <= i`); a bidirectional encoder sees keys on both
-    sides, and the symmetric form penalizes distance in either direction alike. The distances are a
-    numpy constant `[Nq, Nk]`; the per-head scaling is left to XLA so the constant is not `H` times larger.
+    sides, and the symmetric form penalizes distance in either direction alike.
     """
-    distance = np.abs(relative_positions(query_len, key_len)).astype(np.float32)
-    return -jnp.asarray(alibi_slopes(num_heads))[:, None, None] * distance
+    distance = np.abs(distances(query_len, key_len)).astype(np.float32)
+    return -jnp.asarray(alibi_slopes(num_heads))[:, None] * distance
 
 
 def t5_relative_bucket(rel: np.ndarray, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -203,9 +232,10 @@ def t5_relative_bucket(rel: np.ndarray, num_buckets: int, max_distance: int) -> 
 
 
 def t5_bias(table: jax.Array, query_len: int, key_len: int, max_distance: int) -> jax.Array:
-    """Score bias `[H, query_len, key_len]` read from a learned `[num_buckets, H]` table by T5 bucket."""
-    bucket = t5_relative_bucket(relative_positions(query_len, key_len), table.shape[0], max_distance)
-    return jnp.moveaxis(jnp.take(table, bucket, axis=0), -1, 0)
+    """Score bias per distance `[H, query_len + key_len - 1]` (expand with `toeplitz`), read from a
+    learned `[num_buckets, H]` table by T5 bucket."""
+    bucket = t5_relative_bucket(distances(query_len, key_len), table.shape[0], max_distance)
+    return jnp.take(table, bucket, axis=0).T
 
 
 def random_positions(key: jax.Array, batch: int, seq_len: int, max_position: int) -> jax.Array:

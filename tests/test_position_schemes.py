@@ -77,9 +77,15 @@ def test_alibi_slopes_for_power_of_two_and_other_head_counts():
     np.testing.assert_array_equal(positions.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
 
 
+def expand(bias_by_distance, n_q, n_k):
+    """A per-distance bias `[H, n_q + n_k - 1]` as the `[H, n_q, n_k]` score bias it stands for."""
+    return positions.toeplitz(bias_by_distance, np.arange(n_q), np.arange(n_k), n_k)
+
+
 def test_alibi_bias_is_symmetric_negative_distance():
-    bias = np.asarray(positions.alibi_bias(3, 4, 4))
-    assert bias.shape == (4, 3, 4)
+    by_distance = positions.alibi_bias(3, 4, 4)
+    assert by_distance.shape == (4, 3 + 4 - 1)
+    bias = np.asarray(expand(by_distance, 3, 4))
     np.testing.assert_array_equal(bias[0], -0.25 * np.array([[0, 1, 2, 3], [1, 0, 1, 2], [2, 1, 0, 1]]))
     np.testing.assert_array_equal(bias[3, 2], -(2**-8) * np.array([2, 1, 0, 1]))
 
@@ -120,9 +126,9 @@ def _scores(variant, q, k):
         pos = np.arange(n)
         return entangled_scores(positions.apply_rope(q, pos, 10000.0), positions.apply_rope(k, pos, 10000.0))
     if variant == "alibi":
-        return entangled_scores(q, k, positions.alibi_bias(n, n, h))
+        return entangled_scores(q, k, expand(positions.alibi_bias(n, n, h), n, n))
     table = jnp.asarray(np.random.default_rng(1).normal(size=(8, h)), jnp.float32)
-    return entangled_scores(q, k, positions.t5_bias(table, n, n, 20))
+    return entangled_scores(q, k, expand(positions.t5_bias(table, n, n, 20), n, n))
 
 
 @pytest.mark.parametrize("variant", ["rope", "alibi", "t5_bias"])

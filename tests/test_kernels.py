@@ -1,0 +1,151 @@
+"""Attention kernels: the blockwise kernel equals the dense one (outputs and gradients, every variant,
+padding, lengths that are not a multiple of the block), draws dropout consistently in both passes,
+and needs memory linear in length."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deberta_jax import kernels, positions
+from deberta_jax.attention import attention_scores
+from deberta_jax.config import ConfigError, ModelConfig
+from deberta_jax.model import MaskedLM
+
+B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
+
+
+def variant_inputs(variant, seed=0):
+    """(score_fn, shared, keys, v, key_mask) for one variant; row 1 of the batch ends in padding."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    shared, keys, rel_index = {"q": normal(B, H, N, D)}, {"k": normal(B, H, N, D)}, None
+    if variant == "disentangled":
+        shared["c2p"], keys["p2c"] = normal(B, H, N, R), normal(B, H, N, R)
+        rel_index = positions.relative_index_by_distance(N, N, position_buckets=R // 2, max_relative_positions=16)
+    elif variant == "c2p_only":
+        shared["c2p"] = normal(B, H, N, R)
+        rel_index = positions.relative_index_by_distance(N, N, position_buckets=R // 2, max_relative_positions=16)
+    elif variant == "alibi":
+        shared["bias"] = positions.alibi_bias(N, N, H)
+    elif variant == "t5_bias":
+        shared["bias"] = positions.t5_bias(normal(8, H), N, N, 20)
+    key_mask = np.ones((B, N), np.int32)
+    key_mask[1, 29:] = 0
+    score_fn = functools.partial(attention_scores, key_len=N, rel_index=rel_index)
+    return score_fn, shared, keys, normal(B, H, N, D), jnp.asarray(key_mask)
+
+
+def outputs_and_grads(kernel, score_fn, shared, keys, v, key_mask, **kw):
+    cotangent = jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32)
+
+    def loss(shared, keys, v):
+        out = kernel(score_fn, shared, keys, v, key_mask, **kw)
+        return jnp.sum(out * cotangent), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(shared, keys, v)
+    return out, grads
+
+
+def assert_trees_close(a, b, atol):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"])
+@pytest.mark.parametrize("block_size", [8, 64])  # 37 keys = 4 blocks of 8 + 5; one block larger than N
+def test_blockwise_equals_dense_outputs_and_gradients(variant, block_size):
+    inputs = variant_inputs(variant)
+    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
+    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, *inputs, block_size=block_size)
+    np.testing.assert_allclose(block_out, dense_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(block_grads, dense_grads, atol=1e-5)
+
+
+def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
+    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
+    rate, size, key = 0.3, 8, jax.random.key(3)
+    blocks = -(-N // size)
+    keep = jnp.concatenate([kernels.dropout_keep(key, b, (B, H, N, size), rate) for b in range(blocks)], -1)[..., :N]
+
+    def reference(score_fn, shared, keys, v, key_mask):
+        scores = jnp.where(key_mask[:, None, None, :] > 0, score_fn(shared, keys, np.arange(N)), kernels.NEG_INF)
+        probs = jnp.where(keep, jax.nn.softmax(scores, axis=-1) / (1 - rate), 0.0)
+        return jnp.einsum("bhij,bhjd->bhid", probs, v)
+
+    ref_out, ref_grads = outputs_and_grads(reference, score_fn, shared, keys, v, key_mask)
+    out, grads = outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v, key_mask,
+                                   block_size=size, dropout_rate=rate, dropout_key=key)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, atol=1e-5)
+    assert not np.allclose(out, outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v,
+                                                  key_mask, block_size=size)[0], atol=1e-3)
+
+
+def test_fully_padded_row_matches_dense():
+    # A row with no real key at all: both kernels average every real-length key uniformly.
+    score_fn, shared, keys, v, _ = variant_inputs("entangled")
+    key_mask = jnp.zeros((B, N), jnp.int32)
+    dense = kernels.dense_attention(score_fn, shared, keys, v, key_mask)
+    np.testing.assert_allclose(kernels.blockwise_attention(score_fn, shared, keys, v, key_mask, block_size=8),
+                               dense, atol=1e-5)
+
+
+MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+             hidden_dropout=0.0, attention_dropout=0.0, position_buckets=8, max_relative_positions=16)
+MODELS = {
+    "bert": dict(MODEL, attention="entangled", position_biased_input=True, max_position_embeddings=64),
+    "deberta": dict(MODEL, attention="disentangled"),
+    "deberta_emd_separate_keys": dict(MODEL, attention="disentangled", use_emd=True, share_att_key=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_with_blockwise_kernel_equals_dense(name):
+    dense_cfg = ModelConfig(**MODELS[name])
+    block_cfg = dataclasses.replace(dense_cfg, attention_kernel="blockwise", attention_block_size=8)
+    graphdef, params = nnx.split(MaskedLM(dense_cfg, rngs=nnx.Rngs(0)))
+    block_graphdef = nnx.graphdef(MaskedLM(block_cfg, rngs=nnx.Rngs(0)))
+    ids = np.random.default_rng(0).integers(0, 64, (2, 29)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, 20:] = 0
+
+    def loss(params, graphdef):
+        logits = nnx.merge(graphdef, params)(ids, mask)
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * mask), logits
+
+    (_, dense_logits), dense_grads = jax.value_and_grad(loss, has_aux=True)(params, graphdef)
+    (_, block_logits), block_grads = jax.value_and_grad(loss, has_aux=True)(params, block_graphdef)
+    np.testing.assert_allclose(block_logits, dense_logits, atol=1e-5, rtol=1e-5)
+    assert_trees_close(block_grads, dense_grads, atol=1e-5)
+
+
+def compiled_temp_bytes(kernel, n, **kw):
+    """XLA's scratch memory for the forward and backward pass of one disentangled attention call."""
+    rel_index = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
+    score_fn = functools.partial(attention_scores, key_len=n, rel_index=rel_index)
+    shapes = [dict(q=(1, 2, n, 16), c2p=(1, 2, n, 64)), dict(k=(1, 2, n, 16), p2c=(1, 2, n, 64)), (1, 2, n, 16)]
+
+    def loss(shared, keys, v):
+        return jnp.sum(kernel(score_fn, shared, keys, v, jnp.ones((1, n), jnp.int32), **kw))
+    args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_is_linear_in_length():
+    dense = compiled_temp_bytes(kernels.dense_attention, 2048)
+    blockwise = [compiled_temp_bytes(kernels.blockwise_attention, n, block_size=128) for n in (1024, 2048)]
+    assert dense > 8 * 2 * 2048 * 2048  # at least two [1, 2, N, N] float32 tensors
+    assert blockwise[1] < dense / 5  # measured: 17.7 MB against 134 MB
+    assert blockwise[1] < 2.5 * blockwise[0]  # twice the length, about twice the memory
+
+
+def test_kernel_is_validated_by_name():
+    with pytest.raises(ConfigError, match="attention_kernel.*dense"):
+        ModelConfig(attention_kernel="flash")
+    with pytest.raises(ConfigError, match="attention_block_size"):
+        ModelConfig(attention_kernel="blockwise", attention_block_size=0)
