@@ -71,10 +71,10 @@ def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rn
     positions only (every masked one, while the batch is within budget).
     """
     hidden = model.encode(batch["input_ids"], batch["attention_mask"], rngs=rngs)
-    weights = batch["weights"].reshape(-1)
+    weights = jnp.asarray(batch["weights"]).reshape(-1)
     _, positions = jax.lax.top_k(weights, budget)
     logits = model.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
-    labels, kept = batch["labels"].reshape(-1)[positions], weights[positions]
+    labels, kept = jnp.asarray(batch["labels"]).reshape(-1)[positions], weights[positions]
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return dict(loss_sum=jnp.sum(cross_entropy * kept), correct_sum=jnp.sum(correct * kept), count=jnp.sum(kept),

@@ -174,29 +174,32 @@ def test_interrupted_save_is_ignored_and_cleaned_up(corpus, straight_run, tmp_pa
     assert checkpoint.checkpoint_manager(tmp_path / "run", read_only=True).latest_step() == STEPS + 1
 
 
-def step_and_state(accum, batch_size=8):
-    cfg = ModelConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                      hidden_dropout=0.0, attention_dropout=0.0, position_buckets=8, max_relative_positions=16,
-                      max_position_embeddings=32, trained_length=16)
-    schedule = optim.learning_rate_schedule(1e-3, 0, 10, "linear")
-    optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
-    state = jax.jit(train_lib.make_init_fn(cfg, optimizer, seed=0))()
-    step = jax.jit(train_lib.make_train_step(train_lib.model_graphdef(cfg), optimizer, schedule, seed=0,
-                                             grad_accum_steps=accum, mask_prob=0.3))
+SMALL_MODEL = ModelConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                          hidden_dropout=0.0, attention_dropout=0.0, position_buckets=8, max_relative_positions=16,
+                          max_position_embeddings=32, trained_length=16)
+
+
+def masked_batch(batch_size=8, seq_len=16, mask_prob=0.3):
     rng = np.random.default_rng(0)
-    ids = rng.integers(5, 120, size=(batch_size, 16)).astype(np.int32)
-    weights = (rng.random((batch_size, 16)) < 0.3).astype(np.float32)
+    ids = rng.integers(5, SMALL_MODEL.vocab_size, size=(batch_size, seq_len)).astype(np.int32)
+    weights = (rng.random((batch_size, seq_len)) < mask_prob).astype(np.float32)
     weights[0, :] = 0.0  # micro-batches with different numbers of masked tokens
-    batch = dict(input_ids=np.where(weights > 0, 4, ids).astype(np.int32), attention_mask=np.ones_like(ids),
-                 labels=ids, weights=weights)
-    return step, state, batch
+    return dict(input_ids=np.where(weights > 0, 4, ids).astype(np.int32), attention_mask=np.ones_like(ids),
+                labels=ids, weights=weights)
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    step, state, batch = step_and_state(accum=1)
-    big_state, big = step(state, batch)
-    step4, state4, _ = step_and_state(accum=4)
-    acc_state, acc = step4(state4, batch)
+    schedule = optim.learning_rate_schedule(1e-3, 0, 10, "linear")
+    optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
+    state = jax.jit(train_lib.make_init_fn(SMALL_MODEL, optimizer, seed=0))()
+    batch = masked_batch()
+
+    def run(accum):
+        step = train_lib.make_train_step(train_lib.model_graphdef(SMALL_MODEL), optimizer, schedule, seed=0,
+                                         grad_accum_steps=accum, mask_prob=0.3)
+        return jax.jit(step)(state, batch)
+
+    (big_state, big), (acc_state, acc) = run(1), run(4)
     for name in ("loss", "accuracy", "grad_norm", "masked_tokens"):
         np.testing.assert_allclose(acc[name], big[name], rtol=1e-6, err_msg=name)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), acc_state.params, big_state.params)
@@ -204,18 +207,17 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_masked_lm_sums_score_only_masked_positions_exactly():
-    _, state, batch = step_and_state(accum=1)
-    cfg = ModelConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                      position_buckets=8, max_relative_positions=16, max_position_embeddings=32, trained_length=16)
-    model = nnx.merge(train_lib.model_graphdef(cfg), state.params)
-    logits = model.mlm_logits(batch["input_ids"], batch["attention_mask"])
+    graphdef, params, batch = train_lib.model_graphdef(SMALL_MODEL), train_lib.init_params(SMALL_MODEL, 0), masked_batch()
+    logits = jax.jit(lambda p: nnx.merge(graphdef, p).mlm_logits(batch["input_ids"], batch["attention_mask"]))(params)
+    sums = jax.jit(lambda p, budget: train_lib.masked_lm_sums(nnx.merge(graphdef, p), batch, budget),
+                   static_argnums=1)
     full = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
     masked = int(batch["weights"].sum())
-    sums = train_lib.masked_lm_sums(model, batch, budget=train_lib.prediction_budget(batch["weights"].size, 0.3))
-    np.testing.assert_allclose(sums["loss_sum"], (full * batch["weights"]).sum(), rtol=1e-6)
-    np.testing.assert_allclose(sums["correct_sum"], ((logits.argmax(-1) == batch["labels"]) * batch["weights"]).sum())
-    assert (float(sums["count"]), int(sums["dropped"])) == (masked, 0)
-    over = train_lib.masked_lm_sums(model, batch, budget=masked - 3)
+    within = sums(params, train_lib.prediction_budget(batch["weights"].size, 0.3))
+    np.testing.assert_allclose(within["loss_sum"], (full * batch["weights"]).sum(), rtol=1e-6)
+    np.testing.assert_allclose(within["correct_sum"], ((logits.argmax(-1) == batch["labels"]) * batch["weights"]).sum())
+    assert (float(within["count"]), int(within["dropped"])) == (masked, 0)
+    over = sums(params, masked - 3)
     assert (float(over["count"]), int(over["dropped"])) == (masked - 3, 3)
 
 
