@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from deberta_jax import evaluation
+from deberta_jax import checkpoint, evaluation
 from deberta_jax.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.data import MIN_SEQ_LEN
 
@@ -34,6 +36,17 @@ class EvalModel:
     model: object  # MaskedLM
     tokenizer: object
     train_len: int
+
+
+def run_label(workdir: str) -> str:
+    """Runs that differ only in seed share a label: the workdir name without a `-s<seed>` suffix."""
+    return re.sub(r"[-_](s|seed)\d+$", "", os.path.basename(os.path.normpath(workdir)))
+
+
+def load_workdir_model(workdir: str, step: int | str | None = None) -> EvalModel:
+    """A trained run as an `EvalModel` (latest checkpoint, "best", or a step)."""
+    config, model, tokenizer = checkpoint.load_workdir(workdir, step)
+    return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,6 +130,31 @@ def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict]) -> s
     return "\n".join(lines)
 
 
+def ablation_table(mean_records: Sequence[dict], policy: str, multiples=(1, 2, 4, 8)) -> str:
+    """One row per variant: chunked loss and accuracy at each multiple of L, per dataset.
+
+    Models with a learned absolute table are shown under `policy` (the other policies are in
+    summary.md); relative models have the single policy "none".
+    """
+    rows = [r for r in mean_records if r["protocol"] == "chunked" and r["bucket"] == "all"
+            and r["policy"] in (policy, "none") and r["metric"] in ("loss", "accuracy")]
+    lines = []
+    for dataset in sorted({r["dataset"] for r in rows}):
+        lines += [f"### {dataset}: masked-token loss / accuracy (chunked; absolute tables: {policy})", "",
+                  "| variant | seeds | " + " | ".join(f"loss {m}x" for m in multiples) + " | "
+                  + " | ".join(f"acc {m}x" for m in multiples) + " |",
+                  "|---|---|" + "---|" * (2 * len(multiples))]
+        sel = _select(rows, dataset=dataset)
+        for model in sorted({r["model"] for r in sel}):
+            cells = {(r["metric"], r["eval_len"] / r["train_len"]): r for r in _select(sel, model=model)}
+            seeds = max(r.get("n_seeds") or 1 for r in _select(sel, model=model))
+            lines.append(f"| {model} | {seeds} | "
+                         + " | ".join(_fmt(cells.get(("loss", float(m)))) for m in multiples) + " | "
+                         + " | ".join(_fmt(cells.get(("accuracy", float(m)))) for m in multiples) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
     """Loss vs eval/train length (log2 x, interval bands) and loss by position per eval length."""
     import matplotlib

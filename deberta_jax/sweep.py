@@ -1,0 +1,157 @@
+"""Ablation sweeps: variants x seeds x training lengths -> training runs -> length evaluation -> report.
+
+    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py               # run everything here
+    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py --mode print  # one command per run
+    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
+
+A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*`
+overrides, plus seeds, training lengths, overrides common to all runs, and the evaluation settings.
+Each run is an ordinary `train.py` invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`),
+so a sweep is resumable for free: finished runs (a checkpoint at `num_steps`) are skipped and
+interrupted ones resume from their last checkpoint. `--mode print` writes the same commands for a
+cluster scheduler instead of running them; `--mode report` evaluates whatever has finished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from absl import app, flags
+from ml_collections import config_dict, config_flags
+
+from deberta_jax import checkpoint, extrapolation, report
+from deberta_jax.text import load_documents
+
+config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
+flags.DEFINE_enum("mode", "run", ["run", "print", "report"],
+                  "run: train missing runs here, then evaluate and report; print: write one command per run; "
+                  "report: evaluate finished runs and write the report.")
+FLAGS = flags.FLAGS
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"model": {"use_emd": True}} -> {"model.use_emd": True}: the `--config.*` override names."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
+    """Every (variant, training length, seed) with its workdir and `train.py` command."""
+    runs = []
+    for variant in sweep.variants:
+        for seq_len in sweep.seq_lens:
+            for seed in sweep.seeds:
+                name = f"{variant.name}-L{seq_len}-s{seed}"
+                workdir = os.path.join(sweep.workdir_root, name)
+                overrides = flatten(sweep.common_overrides.to_dict())
+                overrides.update(flatten(variant.overrides.to_dict()))
+                overrides.update({"seed": seed, "data.seq_len": seq_len})
+                command = [sys.executable, "train.py", "--config", variant.config, "--workdir", workdir]
+                command += [f"--config.{key}={_flag_value(value)}" for key, value in sorted(overrides.items())]
+                runs.append(dict(name=name, workdir=workdir, command=command, num_steps=int(overrides["train.num_steps"])))
+    return runs
+
+
+def finished(run: dict) -> bool:
+    """A run is done when its workdir holds a checkpoint at the final step."""
+    if not os.path.isdir(os.path.join(run["workdir"], checkpoint.CHECKPOINT_DIR)):
+        return False
+    manager = checkpoint.checkpoint_manager(run["workdir"], read_only=True)
+    try:
+        return manager.latest_step() == run["num_steps"]
+    finally:
+        manager.close()
+
+
+def train_all(runs: list[dict]) -> None:
+    for i, run in enumerate(runs, 1):
+        if finished(run):
+            print(f"[{i}/{len(runs)}] {run['name']}: finished, skipped", flush=True)
+            continue
+        print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(run['command'])}", flush=True)
+        subprocess.run(run["command"], check=True)
+
+
+def code_version() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return rev + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
+    """Length-evaluate every finished run and write raw results, summary, plots and REPORT.md."""
+    done = [r for r in runs if finished(r)]
+    missing = [r["name"] for r in runs if r not in done]
+    if not done:
+        raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
+    ev = sweep.eval
+    models = [extrapolation.load_workdir_model(run["workdir"]) for run in done]
+    settings = extrapolation.StudySettings(
+        multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
+        protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
+        bootstrap=ev.bootstrap)
+    datasets = {name: load_documents(spec) for name, spec in ev.data_files.items()}
+    records, skipped = extrapolation.run_study(models, datasets, settings)
+    means = report.aggregate_seeds(records)
+    out = sweep.report_dir
+    report.write_results(records + means, skipped, out)
+    summary = report.markdown_summary(means, skipped)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(summary)
+    plots = report.plot_all(means, out)
+    lines = [
+        f"# Ablation report: {sweep.title}", "",
+        f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
+        f"`{code_version()}` by `python -m deberta_jax.sweep --sweep {sweep.config_path} --mode run`.", "",
+        sweep.description, "",
+        f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
+        report.ablation_table(means, sweep.table_policy), "",
+        *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots], "",
+        "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
+        "raw records: [results.json](results.json), [results.csv](results.csv).", "",
+        "## Sweep configuration", "", "```json", json.dumps(sweep.to_dict(), indent=1, default=str), "```", "",
+        "## Commands", "", *[f"    {shlex.join(r['command'][1:])}" for r in runs], "",
+    ]
+    path = os.path.join(out, "REPORT.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def main(argv):
+    del argv
+    sweep = FLAGS.sweep
+    sweep.config_path = config_flags.get_config_filename(FLAGS["sweep"])
+    runs = planned_runs(sweep)
+    if FLAGS.mode == "print":
+        for run in runs:
+            print(shlex.join(run["command"][1:]))
+        return
+    if FLAGS.mode == "run":
+        train_all(runs)
+    print("report:", evaluate_and_report(sweep, runs))
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["sweep"])
+    app.run(main)

@@ -1,0 +1,97 @@
+"""Length-extrapolation evaluation of trained workdirs and transformers checkpoints.
+
+  python eval.py --workdir runs/bert-tiny --workdir runs/deberta-tiny \
+      --data_files ../shared/data/brown/valid.txt --data_files ../shared/data/wikitext-2/test.txt \
+      --out results/len
+
+Each model is scored at multiples of its own training length L (1x, 2x, 4x, 8x) plus L+16 and L+64
+(or `--lengths`), under the chunked and fixed-target protocols, with identical targets for every model.
+Models with a learned absolute table get one set of rows per `--policies` entry (positions past L);
+combinations a policy refuses are listed under "Not evaluated" rather than given a value.
+
+Writes to --out: results.json and results.csv (long format), summary.md (also printed), and PNG plots.
+Runs whose configs differ only in seed share a label; their mean and 95% interval are reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+from tokenizers import Tokenizer
+
+from deberta_jax import extrapolation, hf, report
+from deberta_jax.text import is_hf_spec, load_documents
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
+flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories (with tokenizer.json) to evaluate.")
+flags.DEFINE_string("checkpoint", "latest", "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
+flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs) or hf:NAME[:CONFIG][:SPLIT]; repeat for several datasets.")
+flags.DEFINE_string("out", None, "Output directory.")
+flags.DEFINE_list("lengths", [], "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
+flags.DEFINE_list("multiples", ["1", "2", "4", "8"], "Multiples of the training length L.")
+flags.DEFINE_list("extra", ["16", "64"], "Also evaluate at L + each of these.")
+flags.DEFINE_list("policies", ["untrained", "clip", "interpolate", "strict"],
+                  "Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table).")
+flags.DEFINE_list("protocols", list(extrapolation.PROTOCOLS), "chunked and/or fixed_target.")
+flags.DEFINE_integer("mask_seed", 0, "Seed of the fixed per-position targets (shared by all models).")
+flags.DEFINE_integer("tokens_per_batch", 16384, "Batch size in tokens; rows per batch = this // length.")
+flags.DEFINE_integer("max_eval_tokens", 0, "Use only the first this many tokens of each eval text (0 = all).")
+flags.DEFINE_integer("num_targets", 64, "Fixed-target protocol: number of target spans.")
+flags.DEFINE_integer("span", 0, "Fixed-target protocol: span length in tokens (0 = L // 4).")
+flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples over documents for the 95% intervals.")
+flags.mark_flag_as_required("out")
+
+
+def dataset_name(spec: str) -> str:
+    """`../shared/data/brown/valid.txt` -> `brown/valid`; hub specs are kept as given."""
+    if is_hf_spec(spec):
+        return spec
+    first = spec.split(",")[0]
+    return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
+
+
+def load_models(workdirs, checkpoints, step) -> list[extrapolation.EvalModel]:
+    models = [extrapolation.load_workdir_model(workdir, step) for workdir in workdirs]
+    for path in checkpoints:
+        tokenizer_path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_path):
+            raise FileNotFoundError(f"{tokenizer_path} not found: save the tokenizer next to the checkpoint "
+                                    "(tokenizer.save_pretrained(path) writes tokenizer.json for fast tokenizers)")
+        model = hf.load(path, clamp_relative_positions=True)
+        models.append(extrapolation.EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model,
+                                              Tokenizer.from_file(tokenizer_path), model.cfg.max_position_embeddings))
+    return models
+
+
+def main(argv):
+    del argv
+    if not FLAGS.workdir and not FLAGS.hf_checkpoint:
+        raise app.UsageError("give at least one --workdir or --hf_checkpoint")
+    if not FLAGS.data_files:
+        raise app.UsageError("give at least one --data_files, e.g. --data_files ../shared/data/brown/valid.txt")
+    step = FLAGS.checkpoint if FLAGS.checkpoint in ("latest", "best") else int(FLAGS.checkpoint)
+    step = None if step == "latest" else step
+    settings = extrapolation.StudySettings(
+        multiples=tuple(int(m) for m in FLAGS.multiples), extra=tuple(int(e) for e in FLAGS.extra),
+        lengths=tuple(int(n) for n in FLAGS.lengths), policies=tuple(FLAGS.policies),
+        protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
+        max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
+        bootstrap=FLAGS.bootstrap)
+    datasets = {dataset_name(spec): load_documents(spec) for spec in FLAGS.data_files}
+    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step)
+    records, skipped = extrapolation.run_study(models, datasets, settings)
+    means = report.aggregate_seeds(records)
+    report.write_results(records + means, skipped, FLAGS.out)
+    summary = report.markdown_summary(means, skipped)
+    with open(os.path.join(FLAGS.out, "summary.md"), "w") as f:
+        f.write(summary)
+    plots = report.plot_all(means, FLAGS.out)
+    print(summary)
+    print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),
+          "to", FLAGS.out)
+
+
+if __name__ == "__main__":
+    app.run(main)
