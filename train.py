@@ -9,7 +9,8 @@ Rerunning the same command resumes from the latest checkpoint in --workdir, exac
 masks and dropout are functions of (config.seed, step). `deberta_jax.checkpoint.load_workdir`
 rebuilds the trained model from the workdir alone.
 
-Devices: data parallel over every device (`jax.make_mesh`), parameters replicated. Several
+Devices: a (data, fsdp) mesh over every device (`jax.make_mesh`); batches split over all of them,
+parameters and optimizer state replicated, or split over `config.mesh.fsdp` devices (FSDP). Several
 processes (multi-host TPU/GPU): pass --multiprocess to call `jax.distributed.initialize()`, which
 auto-detects TPU pods, SLURM, Open MPI and Kubernetes; for a manual launch set
 JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process
@@ -108,8 +109,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
-    mesh = sharding.data_mesh()
     model_config = run_config.validate(config, num_devices=jax.device_count())
+    mesh = sharding.make_mesh(config.mesh.fsdp)
     train_cfg, seq_len = config.train, config.data.seq_len
     if train_cfg.warmup_steps >= train_cfg.num_steps:
         logging.warning("config.train.warmup_steps=%d >= num_steps=%d: the run ends before the learning rate "
@@ -142,7 +143,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     # ------------------------------------------------------------------ state & sharding
     abstract_state = jax.eval_shape(init_fn)
     replicated = sharding.replicated(mesh)
-    state_sharding = jax.tree.map(lambda _: replicated, abstract_state)
+    state_sharding = sharding.state_sharding(mesh, abstract_state)  # replicated unless config.mesh.fsdp > 1
     batch_sharding = sharding.batch_sharding(mesh)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
     logging.info("model: %s, %.2fM parameters", model_config, num_params / 1e6)

@@ -66,6 +66,11 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
     model.update(hidden_dropout=0.1, attention_dropout=0.1, max_position_embeddings=512, **preset["model"])
     config.model = config_dict.ConfigDict(model)
 
+    # Devices form a (data, fsdp) mesh: fsdp > 1 splits parameters and optimizer state over that many
+    # devices (FSDP, for models that outgrow one device's memory); the batch is split over all of them.
+    config.mesh = config_dict.ConfigDict()
+    config.mesh.fsdp = 1
+
     config.train = config_dict.ConfigDict()
     config.train.num_steps = preset["num_steps"]
     config.train.batch_size = preset["batch_size"]  # global, in sequences, across devices and micro-batches

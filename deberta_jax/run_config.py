@@ -69,6 +69,11 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
     _require(isinstance(config.data.whole_word_masking, bool), "data.whole_word_masking",
              config.data.whole_word_masking, "must be True or False")
 
+    # ---- mesh
+    _require_int(config, "mesh.fsdp", 1)
+    _require(num_devices % config.mesh.fsdp == 0, "mesh.fsdp", config.mesh.fsdp,
+             f"must divide the number of devices ({num_devices}); the rest of them form the data axis")
+
     # ---- model
     model = dict(config.model)
     _require(model.get("trained_length") in (None, seq_len), "model.trained_length", model.get("trained_length"),

@@ -1,4 +1,11 @@
-"""Data parallelism: one mesh axis over all devices, replicated parameters, batches split on "data".
+"""Data parallelism and FSDP: a (data, fsdp) mesh over all devices, batches split over both axes,
+parameters and optimizer state split over "fsdp".
+
+With `fsdp = 1` (the default) this is plain data parallelism: every device holds the whole model.
+With `fsdp = F`, each array of the training state is split F ways along its largest dimension that F
+divides (`state_sharding`), so parameters and AdamW moments take 1/F of the memory per device; inside
+the jitted step XLA's SPMD partitioner all-gathers each weight where a layer uses it and
+reduce-scatters its gradient (ZeRO-3 / FSDP). The batch is split over all devices either way.
 
 The same code runs on one CPU, on fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8),
 on a GPU and on a multi-host TPU pod: each process feeds only its own rows and
@@ -12,15 +19,20 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
 
 
-def data_mesh() -> Mesh:
-    """A 1-D mesh over every device of every process.
+def make_mesh(fsdp: int = 1) -> Mesh:
+    """A `(devices / fsdp, fsdp)` mesh over every device of every process.
 
     Auto axes let XLA propagate shardings from the jit boundary, so the step's reshapes of the
-    batch (micro-batches) need no annotations.
+    batch (micro-batches) need no annotations. `fsdp` must divide the device count
+    (`run_config.validate` checks it first, naming the config field).
     """
-    return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    count = jax.device_count()
+    if fsdp < 1 or count % fsdp:
+        raise ValueError(f"fsdp={fsdp} must be a positive divisor of the device count {count}")
+    return jax.make_mesh((count // fsdp, fsdp), (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto,) * 2)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -28,8 +40,27 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over the data axis."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    """Leading (batch) axis split over every device (the data and fsdp axes together)."""
+    return NamedSharding(mesh, PartitionSpec((DATA_AXIS, FSDP_AXIS)))
+
+
+def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """An array of `shape` split over the fsdp axis along its largest dimension that the axis size
+    divides (the first such, on ties); replicated when none does (scalars, odd sizes)."""
+    size = mesh.shape[FSDP_AXIS]
+    candidates = [axis for axis, dim in enumerate(shape) if dim % size == 0 and dim >= size]
+    if size == 1 or not candidates:
+        return replicated(mesh)
+    axis = max(candidates, key=lambda a: shape[a])
+    spec = [None] * len(shape)
+    spec[axis] = FSDP_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def state_sharding(mesh: Mesh, abstract_state):
+    """`fsdp_sharding` for every array of a (shape-only) pytree: parameters and their AdamW moments
+    have the same shapes, so each moment lives where its parameter does."""
+    return jax.tree.map(lambda x: fsdp_sharding(mesh, x.shape), abstract_state)
 
 
 def global_batch(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
