@@ -128,7 +128,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     evals = []
     if config.data.eval_files:
         eval_data = data.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
-        evals = input_pipeline.eval_batches(eval_data, masker, batch_size=train_cfg.batch_size,
+        evals = input_pipeline.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
                                             max_batches=train_cfg.eval_batches,
                                             process_index=jax.process_index(), process_count=jax.process_count())
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))

@@ -3,9 +3,9 @@
 Training batches are a pure function of (seed, step, process): rows from `data.get_batch`, masks
 from `masking.masking_rng(seed, step, process_index)`. Nothing needs checkpointing besides the step.
 
-Evaluation masks the whole evaluation set once with a fixed seed (`EVAL_MASK_SEED`, independent of
-the training seed, step, batch size and process count), so eval loss is comparable across steps
-and across runs that share eval_files, seq_len and tokenizer.
+Evaluation scores fixed targets drawn once per position of the evaluation text (`EVAL_MASK_SEED`,
+independent of the training seed, step, batch size and process count), so eval loss is comparable
+across steps and across runs that share eval_files, seq_len and tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from deberta_jax import data
+from deberta_jax import data, evaluation
 from deberta_jax.masking import mask_tokens, masking_rng
 from deberta_jax.tokenizer import SpecialIds
 
@@ -47,16 +47,21 @@ def train_batch(packed: data.PackedData, masker: Masker, *, batch_size: int, ste
     return masker(rows, masking_rng(seed, step, process_index))
 
 
-def eval_batches(packed: data.PackedData, masker: Masker, *, batch_size: int, max_batches: int | None,
+def eval_batches(packed: data.PackedData, special: SpecialIds, *, batch_size: int, max_batches: int | None,
                  process_index: int, process_count: int) -> list[Batch]:
     """This process's share of every evaluation batch: the first `max_batches * batch_size` rows (all if None).
 
-    The last batch is filled up with copies of real rows whose weights are 0, so every batch has
-    the same shape (one compilation) and the padding contributes nothing to the sums.
+    Targets are the fixed per-stream-position ones of `evaluation` (seed `EVAL_MASK_SEED`, every
+    target replaced by [MASK]), laid out by `evaluation.chunked_windows` exactly as `eval.py` lays
+    out its chunked protocol at the training length: the eval loss logged here is the 1x point of the
+    length evaluation. The last batch is filled up with copies of real rows whose weights are 0, so
+    every batch has the same shape (one compilation) and the padding contributes nothing to the sums.
     """
-    # Mask every row, then select: a row's mask then does not depend on batch size or max_batches.
-    masked = masker(packed, masking_rng(EVAL_MASK_SEED, 0, 0))
-    num_rows = packed.num_rows if max_batches is None else min(packed.num_rows, max_batches * batch_size)
+    corpus = evaluation.corpus_from_stream(packed_stream(packed), special, seed=EVAL_MASK_SEED)
+    windows = evaluation.chunked_windows(corpus, packed.seq_len)
+    masked = dict(input_ids=windows.input_ids, attention_mask=windows.attention_mask, labels=windows.labels,
+                  weights=windows.weights)
+    num_rows = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
     masked = {name: x[:num_rows] for name, x in masked.items()}
     num_batches = -(-num_rows // batch_size)
     filler = np.arange(num_batches * batch_size - num_rows) % num_rows
@@ -67,3 +72,13 @@ def eval_batches(packed: data.PackedData, masker: Masker, *, batch_size: int, ma
         rows = data.process_share(np.arange(b * batch_size, (b + 1) * batch_size), process_index, process_count)
         batches.append({name: x[rows] for name, x in padded.items()})
     return batches
+
+
+def packed_stream(packed: data.PackedData) -> np.ndarray:
+    """The token stream that `data.pack_stream` cut into `packed`'s rows.
+
+    Content cells are columns 1..N-2; in the padded last row a cell holds content exactly when the
+    cell after it is still real (the [SEP] closing that row is the last real cell).
+    """
+    content = packed.input_ids[:, 1:-1]
+    return content[packed.attention_mask[:, 2:] == 1]

@@ -108,7 +108,7 @@ def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
     masker = input_pipeline.Masker(SpecialIds.from_tokenizer(tokenizer), tokenizer.get_vocab_size(),
                                    config.data.mask_prob, config.data.whole_word_masking)
     packed = data.load_or_pack(config.data.eval_files, tokenizer, config.data.seq_len, config.data.cache_dir)
-    batches = input_pipeline.eval_batches(packed, masker, batch_size=16, max_batches=None,
+    batches = input_pipeline.eval_batches(packed, masker.special, batch_size=16, max_batches=None,
                                           process_index=0, process_count=1)[: -(-4 * 8 // 16)]  # eval_batches=4 of 8
     loss_sum = count = 0.0
     for batch in batches:
@@ -121,6 +121,22 @@ def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
     logged = [r for r in metrics_io.read_metrics(straight_run) if "eval_loss" in r][-1]
     assert logged["step"] == STEPS
     np.testing.assert_allclose(loss_sum / count, logged["eval_loss"], rtol=1e-5)
+
+
+def test_length_evaluation_at_1x_reproduces_the_logged_eval_loss(corpus, tmp_path):
+    """eval.py's chunked protocol at the training length is the evaluation training logs."""
+    from deberta_jax import extrapolation
+
+    config = micro_config(corpus, eval_batches=None)
+    train.train_and_evaluate(config, tmp_path)
+    logged = [r for r in metrics_io.read_metrics(tmp_path) if "eval_loss" in r][-1]
+    model = extrapolation.load_workdir_model(str(tmp_path))
+    settings = extrapolation.StudySettings(lengths=(config.data.seq_len,), protocols=("chunked",), bootstrap=10)
+    records, _ = extrapolation.run_study([model], {"valid": load_documents(config.data.eval_files)}, settings)
+    loss = [r for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
+    accuracy = [r for r in records if r["metric"] == "accuracy" and r["bucket"] == "all"]
+    np.testing.assert_allclose(loss[0]["value"], logged["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(accuracy[0]["value"], logged["eval_accuracy"], rtol=1e-5)
 
 
 def test_load_workdir_best_and_missing_checkpoints(straight_run, tmp_path):
