@@ -41,6 +41,7 @@ flags.DEFINE_integer("max_eval_tokens", 0, "Use only the first this many tokens 
 flags.DEFINE_integer("num_targets", 64, "Fixed-target protocol: number of target spans.")
 flags.DEFINE_integer("span", 0, "Fixed-target protocol: span length in tokens (0 = L // 4).")
 flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples over documents for the 95% intervals.")
+flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.mark_flag_as_required("out")
 
 
@@ -81,6 +82,8 @@ def main(argv):
         bootstrap=FLAGS.bootstrap)
     datasets = {dataset_name(spec): load_documents(spec) for spec in FLAGS.data_files}
     models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step)
+    if FLAGS.unigram and FLAGS.workdir:
+        models.append(extrapolation.unigram_reference(models[0]))
     records, skipped = extrapolation.run_study(models, datasets, settings)
     means = report.aggregate_seeds(records)
     report.write_results(records + means, skipped, FLAGS.out)

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from deberta_jax import checkpoint, evaluation
+from deberta_jax import checkpoint, data, evaluation
+from deberta_jax.baselines import UnigramModel
 from deberta_jax.config import ABSOLUTE_POSITION_POLICIES
-from deberta_jax.data import MIN_SEQ_LEN
+from deberta_jax.model import MaskedLM
+from deberta_jax.tokenizer import SpecialIds
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
 DEFAULT_EXTRA = (16, 64)
@@ -49,6 +51,16 @@ def load_workdir_model(workdir: str, step: int | str | None = None) -> EvalModel
     return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len))
 
 
+def unigram_reference(em: EvalModel) -> EvalModel:
+    """The unigram floor for a trained run: counts from its own training files and tokenizer."""
+    config = checkpoint.read_config(em.source)
+    packed = data.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len), config.data.cache_dir)
+    special = SpecialIds.from_tokenizer(em.tokenizer)
+    stream = packed.input_ids[packed.attention_mask > 0]
+    unigram = UnigramModel(stream[~np.isin(stream, special.all)], em.tokenizer.get_vocab_size(), special)
+    return EvalModel("unigram", "-", f"unigram({em.source})", unigram, em.tokenizer, em.train_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
     multiples: tuple[int, ...] = DEFAULT_MULTIPLES
@@ -72,8 +84,8 @@ class StudySettings:
             if p not in PROTOCOLS:
                 raise ValueError(f"--protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
         for n in self.lengths:
-            if n < MIN_SEQ_LEN:
-                raise ValueError(f"--lengths: {n} is too short; every length must be >= {MIN_SEQ_LEN} "
+            if n < data.MIN_SEQ_LEN:
+                raise ValueError(f"--lengths: {n} is too short; every length must be >= {data.MIN_SEQ_LEN} "
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
             raise ValueError("--multiples must be positive")
@@ -84,15 +96,25 @@ class StudySettings:
         return sorted({train_len * m for m in self.multiples} | {train_len + e for e in self.extra})
 
 
+def _has_absolute_table(model) -> bool:
+    return isinstance(model, MaskedLM) and model.cfg.uses_absolute_table
+
+
 def policies_for(model, requested: Sequence[str]) -> list[str]:
-    return list(requested) if model.cfg.uses_absolute_table else ["none"]
+    return list(requested) if _has_absolute_table(model) else ["none"]
+
+
+def scorer_for(model, policy: str) -> evaluation.Scorer:
+    if isinstance(model, UnigramModel):
+        return model.scorer()
+    return evaluation.make_scorer(model, None if policy == "none" else policy)
 
 
 def refusal(model, policy: str, eval_len: int) -> str | None:
     """Why `policy` cannot score `eval_len` (None when it can); mirrors `positions` without running it."""
-    trained = model.cfg.trained_positions  # train_len, or more with randomized positions
-    if not model.cfg.uses_absolute_table or eval_len <= trained:
+    if not _has_absolute_table(model) or eval_len <= model.cfg.trained_positions:
         return None
+    trained = model.cfg.trained_positions  # train_len, or more with randomized positions
     table = model.cfg.max_position_embeddings
     if policy == "strict":
         return f"strict policy: positions >= {trained} (never trained) are refused"
@@ -160,7 +182,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
             starts = (evaluation.target_starts(corpus, max(lengths), span, settings.num_targets)
                       if "fixed_target" in settings.protocols else None)
             for policy in policies_for(em.model, settings.policies):
-                scorer = evaluation.make_scorer(em.model, None if policy == "none" else policy)
+                scorer = scorer_for(em.model, policy)
                 for eval_len in lengths:
                     reason = refusal(em.model, policy, eval_len)
                     common = dict(policy=policy, dataset=dataset, eval_len=eval_len)

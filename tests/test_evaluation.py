@@ -124,3 +124,18 @@ def test_bad_settings_and_short_text_fail_clearly(tok):
     models = [extrapolation.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
     with pytest.raises(ValueError, match="shorter than the longest eval length"):
         extrapolation.run_study(models, {"d": ["just a few words here"]}, extrapolation.StudySettings(protocols=("chunked",)))
+
+
+def test_unigram_floor_scores_the_same_targets(corpus, docs, tok):
+    from deberta_jax.baselines import UnigramModel
+
+    unigram = UnigramModel(corpus.tokens, tok.get_vocab_size(), corpus.special)
+    em = extrapolation.EvalModel("unigram", "-", "counts", unigram, tok, 16)
+    settings = extrapolation.StudySettings(lengths=(16, 64), protocols=("chunked",), bootstrap=20)
+    records, skipped = extrapolation.run_study([em], {"d": docs}, settings)
+    labels = corpus.tokens[corpus.targets]
+    expected = float(np.mean(-unigram.log_probs[labels]))
+    losses = [r["value"] for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
+    assert not skipped and len(losses) == 2
+    np.testing.assert_allclose(losses, expected, rtol=1e-9)
+    assert np.isinf(unigram.log_probs[list(corpus.special.all)]).all()  # specials are never predicted
