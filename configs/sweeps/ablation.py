@@ -2,8 +2,8 @@
 
     python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py
 
-Every variant trains the same small encoder (2 layers, hidden 128, 4 heads, length 64, 600 steps of
-32 sequences = 1.2M tokens) on Brown train with 3 seeds, then is evaluated at 1x-8x its training
+Every variant trains the same small encoder (2 layers, hidden 128, 4 heads, length 64, 400 steps of
+32 sequences = 0.8M tokens) on Brown train with 3 seeds, then is evaluated at 1x-8x its training
 length on Brown valid and WikiText-2 test. The size is chosen so the 27 runs plus their evaluation
 fit in about an hour and a half of a 2-core CPU; at this scale only large effects are visible, which
 is why the report gives intervals over seeds.
@@ -49,8 +49,8 @@ def get_config(arg: str = "cpu"):
     sweep.common_overrides = config_dict.ConfigDict(dict(
         data=dict(train_files=f"{SHARED}/brown/train.txt", eval_files=f"{SHARED}/brown/valid.txt"),
         model=dict(num_layers=2, hidden_size=128, num_heads=4, intermediate_size=512, vocab_size=4096),
-        train=dict(num_steps=600, batch_size=32, learning_rate=1e-3, warmup_steps=60, eval_every=300,
-                   checkpoint_every=300, log_every=50)))
+        train=dict(num_steps=400, batch_size=32, learning_rate=1e-3, warmup_steps=40, eval_every=400,
+                   checkpoint_every=400, log_every=50)))
     sweep.workdir_root = "runs/ablation"
     sweep.report_dir = "results/ablation"
     sweep.table_policy = "clip"
