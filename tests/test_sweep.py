@@ -1,0 +1,76 @@
+"""Ablation sweep: every variant of the ablation config trains and extrapolates; the runner skips finished runs."""
+
+import os
+
+import pytest
+from ml_collections import config_dict
+
+import train
+from configs import bert, deberta
+from configs.sweeps import ablation
+from deberta_jax import extrapolation, sweep
+from deberta_jax.text import load_documents
+from deberta_jax.tokenizer import save_tokenizer, train_tokenizer
+
+BROWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "brown")
+FAMILIES = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    for name, size in (("train.txt", 60_000), ("valid.txt", 30_000)):
+        with open(os.path.join(BROWN, name), encoding="utf-8") as f:
+            text = f.read(size)
+        (root / name).write_text(text[: text.rfind("\n\n")] + "\n")
+    save_tokenizer(train_tokenizer(load_documents(str(root / "train.txt")), 300), root / "tokenizer.json")
+    return root
+
+
+def micro_variant_config(variant, corpus):
+    """The variant's family config at micro size with its model overrides, as the runner would build it."""
+    config = FAMILIES[variant.config].get_config("micro")
+    config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+    config.update_from_flattened_dict({
+        "data.train_files": str(corpus / "train.txt"), "data.eval_files": str(corpus / "valid.txt"),
+        "data.tokenizer": str(corpus / "tokenizer.json"), "data.cache_dir": str(corpus / "cache"),
+        "data.seq_len": 16, "train.num_steps": 3, "train.warmup_steps": 1, "train.log_every": 1,
+        "train.eval_every": 3, "train.checkpoint_every": 3, "train.eval_batches": 2})
+    return config
+
+
+@pytest.mark.parametrize("index", range(len(ablation.get_config().variants)))
+def test_every_variant_trains_and_extrapolates(index, corpus, tmp_path):
+    variant = ablation.get_config().variants[index]
+    workdir = tmp_path / f"{variant.name}-L16-s0"
+    metrics = train.train_and_evaluate(micro_variant_config(variant, corpus), workdir)
+    assert metrics["eval_loss"] > 0
+    model = extrapolation.load_workdir_model(str(workdir))
+    assert model.label == f"{variant.name}-L16"
+    settings = extrapolation.StudySettings(multiples=(1, 4), extra=(), policies=("clip",), num_targets=4, bootstrap=20)
+    records, skipped = extrapolation.run_study([model], {"valid": load_documents(str(corpus / "valid.txt"))}, settings)
+    lengths = {r["eval_len"] for r in records if r["metric"] == "loss" and r["bucket"] == "all"}
+    assert lengths == {16, 64} and not skipped
+
+
+def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeypatch):
+    plan = ablation.get_config("smoke")
+    plan.workdir_root = str(tmp_path / "runs")
+    runs = sweep.planned_runs(plan)
+    assert [r["name"] for r in runs] == ["bert-L16-s0", "deberta-L16-s0"]
+    deberta_cmd = runs[1]["command"]
+    assert "--config.model.use_emd=True" in deberta_cmd and "--config.data.seq_len=16" in deberta_cmd
+    # Finish the first run for real (its planned num_steps), leave the second untouched.
+    config = micro_variant_config(plan.variants[0], corpus)
+    config.train.num_steps = runs[0]["num_steps"]
+    train.train_and_evaluate(config, runs[0]["workdir"])
+    assert sweep.finished(runs[0]) and not sweep.finished(runs[1])
+    launched = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: launched.append(command))
+    sweep.train_all(runs)
+    assert launched == [runs[1]["command"]]
+
+
+def test_flatten_builds_override_names():
+    tree = config_dict.ConfigDict(dict(model=dict(use_emd=True, pos_att_type="c2p"), seed=3)).to_dict()
+    assert sweep.flatten(tree) == {"model.use_emd": True, "model.pos_att_type": "c2p", "seed": 3}
