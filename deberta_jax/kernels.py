@@ -145,15 +145,19 @@ def _online_softmax_bwd(score_fn, n_k, rate, residuals, d_out):
                              d_out.astype(value_block.dtype), preferred_element_type=jnp.float32)
         dp = _drop(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
         d_sh, d_key = pull(p * (dp - delta[..., None]))
-        return jax.tree.map(jnp.add, d_shared, d_sh), (d_key, d_value.astype(value_block.dtype))
+        d_shared = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_shared, d_sh)
+        return d_shared, (d_key, d_value.astype(value_block.dtype))
 
+    # The gradients of `shared` (queries, c2p) add up over every block: accumulate them in float32.
     d_shared, (d_keys, d_values) = jax.lax.scan(
-        body, jax.tree.map(jnp.zeros_like, shared),
+        body, jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shared),
         (jnp.arange(value_blocks.shape[0]), key_blocks, value_blocks, mask_blocks))
+    d_shared = jax.tree.map(lambda g, x: g.astype(x.dtype), d_shared, shared)
     return d_shared, d_keys, d_values, None, None
 
 
 _online_softmax.defvjp(_online_softmax_fwd, _online_softmax_bwd)
+
 
 def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
     """The kernel a config names (`ModelConfig.attention_kernel`), with the same call signature."""

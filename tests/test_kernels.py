@@ -66,6 +66,21 @@ def test_blockwise_equals_dense_outputs_and_gradients(variant, block_size):
     assert_trees_close(block_grads, dense_grads, atol=1e-5)
 
 
+def test_blockwise_bfloat16_is_close_to_dense():
+    # bfloat16 inputs: scores and softmax in float32 in both kernels, gradients of the shared inputs
+    # accumulated over blocks in float32.
+    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
+    shared, keys, v = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (shared, keys, v))
+    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, score_fn, shared, keys, v, key_mask)
+    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v, key_mask,
+                                               block_size=8)
+    assert block_out.dtype == jnp.bfloat16
+    to32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+    np.testing.assert_allclose(to32(block_out), to32(dense_out), atol=3e-2, rtol=3e-2)
+    for got, want in zip(jax.tree.leaves(to32(block_grads)), jax.tree.leaves(to32(dense_grads))):
+        np.testing.assert_allclose(got, want, atol=0.1, rtol=5e-2)
+
+
 def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
     score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
     rate, size, key = 0.3, 8, jax.random.key(3)
