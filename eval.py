@@ -21,6 +21,7 @@ from absl import app, flags
 from tokenizers import Tokenizer
 
 from deberta_jax import extrapolation, hf, report
+from deberta_jax.config import ATTENTION_KERNELS
 from deberta_jax.text import is_hf_spec, load_documents
 
 FLAGS = flags.FLAGS
@@ -41,6 +42,10 @@ flags.DEFINE_integer("max_eval_tokens", 0, "Use only the first this many tokens 
 flags.DEFINE_integer("num_targets", 64, "Fixed-target protocol: number of target spans.")
 flags.DEFINE_integer("span", 0, "Fixed-target protocol: span length in tokens (0 = L // 4).")
 flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples over documents for the 95% intervals.")
+flags.DEFINE_enum("attention_kernel", "dense", list(ATTENTION_KERNELS),
+                  "Attention kernel of every model: 'blockwise' keeps memory linear in length (same results to "
+                  "float rounding), for lengths whose dense [B, H, N, N] scores do not fit.")
+flags.DEFINE_integer("attention_block_size", 512, "Keys per block of the blockwise kernel.")
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.mark_flag_as_required("out")
 
@@ -53,14 +58,15 @@ def dataset_name(spec: str) -> str:
     return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
 
 
-def load_models(workdirs, checkpoints, step) -> list[extrapolation.EvalModel]:
-    models = [extrapolation.load_workdir_model(workdir, step) for workdir in workdirs]
+def load_models(workdirs, checkpoints, step, **kernel) -> list[extrapolation.EvalModel]:
+    """Trained workdirs and transformers checkpoints; `kernel`: ModelConfig's attention-kernel fields."""
+    models = [extrapolation.load_workdir_model(workdir, step, **kernel) for workdir in workdirs]
     for path in checkpoints:
         tokenizer_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_path):
             raise FileNotFoundError(f"{tokenizer_path} not found: save the tokenizer next to the checkpoint "
                                     "(tokenizer.save_pretrained(path) writes tokenizer.json for fast tokenizers)")
-        model = hf.load(path, clamp_relative_positions=True)
+        model = hf.load(path, clamp_relative_positions=True, **kernel)
         models.append(extrapolation.EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model,
                                               Tokenizer.from_file(tokenizer_path), model.cfg.max_position_embeddings))
     return models
@@ -81,7 +87,8 @@ def main(argv):
         max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
         bootstrap=FLAGS.bootstrap)
     datasets = {dataset_name(spec): load_documents(spec) for spec in FLAGS.data_files}
-    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step)
+    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, attention_kernel=FLAGS.attention_kernel,
+                         attention_block_size=FLAGS.attention_block_size)
     if FLAGS.unigram and FLAGS.workdir:
         models.append(extrapolation.unigram_reference(models[0]))
     records, skipped = extrapolation.run_study(models, datasets, settings)

@@ -20,6 +20,7 @@ interrupted save leaves no checkpoint that `latest_step` would pick up; the prev
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -114,14 +115,17 @@ def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir)
     return step
 
 
-def load_workdir(workdir: str | Path, step: int | str | None = None) -> tuple[config_dict.ConfigDict, MaskedLM, Tokenizer]:
+def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
+                 ) -> tuple[config_dict.ConfigDict, MaskedLM, Tokenizer]:
     """Rebuilds `(config, model, tokenizer)` from a training workdir, nothing else needed.
 
     `step`: None (or "latest") for the latest checkpoint, "best" for the lowest eval loss, or a step number.
     Only the parameters are read (not the optimizer state); they land on the default device.
+    `overrides` replace `ModelConfig` fields that leave the parameters as they are, e.g.
+    `attention_kernel="blockwise"` to evaluate at lengths whose dense attention would not fit.
     """
     config = read_config(workdir)
-    model_config = ModelConfig.from_dict(config.model.to_dict())
+    model_config = dataclasses.replace(ModelConfig.from_dict(config.model.to_dict()), **overrides)
     tokenizer = tokenizer_lib.load_tokenizer(Path(workdir) / TOKENIZER_FILE)
     manager = checkpoint_manager(workdir, read_only=True)
     chosen = select_step(manager, step, workdir)

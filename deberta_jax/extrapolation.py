@@ -45,9 +45,10 @@ def run_label(workdir: str) -> str:
     return re.sub(r"[-_](s|seed)\d+$", "", os.path.basename(os.path.normpath(workdir)))
 
 
-def load_workdir_model(workdir: str, step: int | str | None = None) -> EvalModel:
-    """A trained run as an `EvalModel` (latest checkpoint, "best", or a step)."""
-    config, model, tokenizer = checkpoint.load_workdir(workdir, step)
+def load_workdir_model(workdir: str, step: int | str | None = None, **overrides) -> EvalModel:
+    """A trained run as an `EvalModel` (latest checkpoint, "best", or a step); `overrides` as in
+    `checkpoint.load_workdir` (e.g. the attention kernel)."""
+    config, model, tokenizer = checkpoint.load_workdir(workdir, step, **overrides)
     return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len))
 
 
