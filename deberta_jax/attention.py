@@ -87,29 +87,67 @@ def entangled_scores(q: jax.Array, k: jax.Array, bias: jax.Array | None = None) 
     return scores if bias is None else scores + bias
 
 
-def disentangled_scores(
-    q: jax.Array,
-    k: jax.Array,
-    c2p: jax.Array | None,
-    p2c: jax.Array | None,
-    index: np.ndarray | jax.Array,
-) -> jax.Array:
-    """DeBERTa: `(q_i.k_j + q_i.Kr[idx_ij] + k_j.Qr[idx_ij]) / sqrt(d * (1 + n_pos_terms))`.
+def relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, index) -> jax.Array | float:
+    """DeBERTa's position terms `q_i.Kr[idx_ij] + k_j.Qr[idx_ij]` for an index `[Nq', Nk']` (0 without terms).
 
-    `c2p` `[B, H, Nq, R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk, R]` (`k_j . Qr[r]`) are the products
-    with the R reachable table rows, or None when the term is off; `index` `[Nq, Nk]` is `idx_ij =
-    bucket(i - j) + k` for these queries and keys (see `positions.relative_index_by_distance`).
-    Both terms are gathered with `take_along_axis`: `[N, N, d]` relative embeddings are never built.
+    `c2p` `[B, H, Nq', R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk', R]` (`k_j . Qr[r]`) are the products
+    with the R reachable table rows, or None when the term is off; `index` holds `idx_ij = bucket(i - j)
+    + k` for these queries and keys (see `positions.relative_index_by_distance`). Both terms are
+    gathered with `take_along_axis`: `[N, N, d]` relative embeddings are never built.
     """
-    n_terms = (c2p is not None) + (p2c is not None)
-    scale = math.sqrt(q.shape[-1] * (1 + n_terms))
     index = jnp.asarray(index)
-    scores = jnp.einsum("bhid,bhjd->bhij", q, k)
+    terms = 0.0
     if c2p is not None:
-        scores = scores + jnp.take_along_axis(c2p, index[None, None], axis=-1)
+        terms = terms + jnp.take_along_axis(c2p, index[None, None], axis=-1)
     if p2c is not None:
-        # The score for (i, j) reads row idx_ij of key j's vector: gather [b, h, j, i], then transpose.
-        scores = scores + jnp.swapaxes(jnp.take_along_axis(p2c, index.T[None, None], axis=-1), -1, -2)
+        # The term for (i, j) reads row idx_ij of key j's vector: gather [b, h, j, i], then transpose.
+        terms = terms + jnp.swapaxes(jnp.take_along_axis(p2c, index.T[None, None], axis=-1), -1, -2)
+    return terms
+
+
+def banded_relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, rel_index: np.ndarray,
+                          key_positions: jax.Array, key_len: int) -> jax.Array | float:
+    """`relative_terms` of every query against a block of consecutive keys, gathering only near the diagonal.
+
+    Past some distance the index per distance (`rel_index`, numpy) is constant: the clamped outermost
+    bucket (or transformers' clipped row). For those pairs the terms are `c2p[i, row] + p2c[j, row]`,
+    a broadcast; only the band of queries within that distance of the block is gathered. A model
+    trained at length T and evaluated at 8T gathers about `(block + 2T) / 8T` of what a full gather
+    does. Falls back to `relative_terms` when the band spans every query (short sequences, the dense
+    kernel's single block of all keys).
+    """
+    if c2p is None and p2c is None:
+        return 0.0
+    n_q = rel_index.shape[0] - key_len + 1
+    block = key_positions.shape[0]
+    distance = positions.distances(n_q, key_len)
+    not_hi, not_lo = np.flatnonzero(rel_index != rel_index[-1]), np.flatnonzero(rel_index != rel_index[0])
+    width = n_q  # no band when the index is the same at every distance
+    if not_hi.size:
+        # The index is rel_index[-1] for i - j >= d_hi and rel_index[0] for i - j <= d_lo.
+        d_hi, d_lo = int(distance[not_hi[-1] + 1]), int(distance[not_lo[0] - 1])
+        width = block + d_hi - d_lo - 2
+    if isinstance(key_positions, np.ndarray) or width >= n_q:
+        return relative_terms(c2p, p2c, positions.toeplitz(rel_index, np.arange(n_q), key_positions, key_len))
+
+    def outer(row):  # the terms of every pair whose index is `row`
+        return ((0.0 if c2p is None else c2p[..., row][..., :, None])
+                + (0.0 if p2c is None else p2c[..., row][..., None, :]))
+
+    pair_distance = jnp.arange(n_q)[:, None] - key_positions[None, :]
+    far = jnp.where(pair_distance >= d_hi, outer(rel_index[-1]), outer(rel_index[0]))
+    start = jnp.clip(key_positions[0] + d_lo + 1, 0, n_q - width)  # the band: d_lo < i - j < d_hi
+    band_index = positions.toeplitz(rel_index, start + jnp.arange(width), key_positions, key_len)
+    band_c2p = None if c2p is None else jax.lax.dynamic_slice_in_dim(c2p, start, width, axis=2)
+    band = relative_terms(band_c2p, p2c, band_index)
+    return jax.lax.dynamic_update_slice_in_dim(far, band.astype(far.dtype), start, axis=2)
+
+
+def disentangled_scores(q: jax.Array, k: jax.Array, terms: jax.Array | float, num_terms: int) -> jax.Array:
+    """DeBERTa: `(q_i.k_j + q_i.Kr[idx_ij] + k_j.Qr[idx_ij]) / sqrt(d * (1 + n_pos_terms))`, with the
+    position terms from `relative_terms` (or `banded_relative_terms`) and `num_terms` of them in use."""
+    scale = math.sqrt(q.shape[-1] * (1 + num_terms))
+    scores = jnp.einsum("bhid,bhjd->bhij", q, k) + terms
     return scores / jnp.asarray(scale, scores.dtype)
 
 
@@ -130,8 +168,9 @@ def attention_scores(shared: dict, keys: dict, key_positions, *, key_len: int,
         if bias is not None:
             bias = positions.toeplitz(bias, query_positions, key_positions, key_len)
         return entangled_scores(q, keys["k"], bias)
-    index = positions.toeplitz(rel_index, query_positions, key_positions, key_len)
-    return disentangled_scores(q, keys["k"], shared.get("c2p"), keys.get("p2c"), index)
+    c2p, p2c = shared.get("c2p"), keys.get("p2c")
+    terms = banded_relative_terms(c2p, p2c, rel_index, key_positions, key_len)
+    return disentangled_scores(q, keys["k"], terms, (c2p is not None) + (p2c is not None))
 
 
 class SelfAttention(nnx.Module):

@@ -61,7 +61,7 @@ def toeplitz(table, query_positions, key_positions, key_len: int):
     Numpy in, numpy out (a constant of the traced program); traced positions (a block of keys inside
     a loop) give a jnp gather. Positions must lie in `[0, query_len)` / `[0, key_len)`.
     """
-    index = np.asarray(query_positions)[:, None] - key_positions[None, :] + (key_len - 1)
+    index = query_positions[:, None] - key_positions[None, :] + (key_len - 1)
     if isinstance(table, np.ndarray) and isinstance(index, np.ndarray):
         return table[..., index]
     return jnp.take(jnp.asarray(table), index, axis=-1)

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from deberta_jax import kernels, positions
-from deberta_jax.attention import attention_scores
+from deberta_jax.attention import attention_scores, banded_relative_terms, relative_terms
 from deberta_jax.config import ConfigError, ModelConfig
 from deberta_jax.model import MaskedLM
 
@@ -62,6 +62,37 @@ def test_blockwise_equals_dense_outputs_and_gradients(variant, block_size):
     inputs = variant_inputs(variant)
     dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
     block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, *inputs, block_size=block_size)
+    np.testing.assert_allclose(block_out, dense_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(block_grads, dense_grads, atol=1e-5)
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+@pytest.mark.parametrize("start", [0, 40, 134])  # a block at the left edge, inside, and the ragged last one
+def test_banded_relative_terms_equal_the_full_gather(clamp, start):
+    # 150 queries against 16 keys with a table trained at 16: the index is constant past |i - j| ~ 15
+    # (clamped, or clipped as in transformers), so only a band of queries is gathered.
+    n, block = 150, 16
+    rel_index = positions.relative_index_by_distance(n, n, position_buckets=8, max_relative_positions=16, clamp=clamp)
+    rng = np.random.default_rng(1)
+    c2p, p2c = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(2, 2, n, 16), (2, 2, block, 16)])
+    key_positions = np.minimum(start + np.arange(block), n - 1)
+    full = relative_terms(c2p, p2c, positions.toeplitz(rel_index, np.arange(n), key_positions, n))
+    banded = jax.jit(lambda kp: banded_relative_terms(c2p, p2c, rel_index, kp, n))(jnp.asarray(key_positions))
+    np.testing.assert_allclose(banded, full, atol=1e-6)
+
+
+def test_blockwise_equals_dense_far_past_the_relative_table():
+    # Long sequence, short table: blocks use the banded gather; outputs and gradients still match.
+    n = 150
+    rng = np.random.default_rng(2)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    rel_index = positions.relative_index_by_distance(n, n, position_buckets=8, max_relative_positions=16)
+    score_fn = functools.partial(attention_scores, key_len=n, rel_index=rel_index - rel_index.min())
+    shared, keys = dict(q=normal(1, 2, n, D), c2p=normal(1, 2, n, 15)), dict(k=normal(1, 2, n, D), p2c=normal(1, 2, n, 15))
+    key_mask = jnp.asarray((np.arange(n) < 141)[None].astype(np.int32))
+    inputs = (score_fn, shared, keys, normal(1, 2, n, D), key_mask)
+    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
+    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, *inputs, block_size=16)
     np.testing.assert_allclose(block_out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(block_grads, dense_grads, atol=1e-5)
 
