@@ -210,20 +210,10 @@ def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):
                         "Pass token ids, e.g. np.asarray(ids, dtype=np.int32).")
     if input_ids.shape[1] < 1:
         raise ValueError("input_ids has seq_len 0; pass at least one token")
-    if attention_mask is None:
-        attention_mask = jnp.ones_like(input_ids)
-    attention_mask = jnp.asarray(attention_mask)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {input_ids.shape}; "
-                         f"got {attention_mask.shape}")
+    attention_mask = _like_ids("attention_mask", attention_mask, input_ids, jnp.ones_like)
     if not (jnp.issubdtype(attention_mask.dtype, jnp.integer) or attention_mask.dtype == jnp.bool_):
         raise TypeError(f"attention_mask must be int or bool (1/True = real token); got dtype {attention_mask.dtype}")
-    if token_type_ids is None:
-        token_type_ids = jnp.zeros_like(input_ids)
-    token_type_ids = jnp.asarray(token_type_ids)
-    if token_type_ids.shape != input_ids.shape:
-        raise ValueError(f"token_type_ids must have the shape of input_ids {input_ids.shape}; "
-                         f"got {token_type_ids.shape}")
+    token_type_ids = _like_ids("token_type_ids", token_type_ids, input_ids, jnp.zeros_like)
     if not isinstance(input_ids, jax.core.Tracer):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= cfg.vocab_size:
@@ -236,3 +226,11 @@ def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):
         if int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= cfg.type_vocab_size:
             raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={cfg.type_vocab_size})")
     return input_ids, attention_mask, token_type_ids
+
+
+def _like_ids(name: str, value, input_ids, default):
+    """`value` as an array of input_ids' shape (`default(input_ids)` when None), or a clear error."""
+    value = default(input_ids) if value is None else jnp.asarray(value)
+    if value.shape != input_ids.shape:
+        raise ValueError(f"{name} must have the shape of input_ids {input_ids.shape}; got {value.shape}")
+    return value

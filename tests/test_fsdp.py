@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from configs import deberta
-from deberta_jax import run_config, sharding
+from deberta_jax import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,5 @@
 """Ablation sweep: every variant of the ablation config trains and extrapolates; the runner skips finished runs."""
 
-import os
 
 import pytest
 from ml_collections import config_dict
@@ -10,21 +9,14 @@ from configs import bert, deberta
 from configs.sweeps import ablation
 from deberta_jax import extrapolation, sweep
 from deberta_jax.text import load_documents
-from deberta_jax.tokenizer import save_tokenizer, train_tokenizer
+from tests.helpers import write_brown_slices
 
-BROWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "brown")
 FAMILIES = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    for name, size in (("train.txt", 60_000), ("valid.txt", 30_000)):
-        with open(os.path.join(BROWN, name), encoding="utf-8") as f:
-            text = f.read(size)
-        (root / name).write_text(text[: text.rfind("\n\n")] + "\n")
-    save_tokenizer(train_tokenizer(load_documents(str(root / "train.txt")), 300), root / "tokenizer.json")
-    return root
+    return write_brown_slices(tmp_path_factory.mktemp("corpus"), 60_000, 30_000, vocab_size=300)
 
 
 def micro_variant_config(variant, corpus):

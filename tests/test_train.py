@@ -23,24 +23,18 @@ import train
 from configs import deberta
 from deberta_jax import checkpoint, data, input_pipeline, metrics_io, optim, train_lib
 from deberta_jax.config import ModelConfig
-from deberta_jax.tokenizer import SpecialIds, save_tokenizer, train_tokenizer
+from deberta_jax.tokenizer import SpecialIds
 from deberta_jax.text import load_documents
+from tests.helpers import write_brown_slices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BROWN = os.path.join(REPO, "..", "shared", "data", "brown")
 STEPS = 8  # the "2N" of the resume test
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Brown slices, a 400-token tokenizer and a packing cache, shared by every run in this module."""
-    root = tmp_path_factory.mktemp("corpus")
-    for name, size in (("train.txt", 150_000), ("valid.txt", 20_000)):
-        with open(os.path.join(BROWN, name), encoding="utf-8") as f:
-            text = f.read(size)
-        (root / name).write_text(text[: text.rfind("\n\n")] + "\n")
-    save_tokenizer(train_tokenizer(load_documents(str(root / "train.txt")), 400), root / "tokenizer.json")
-    return root
+    return write_brown_slices(tmp_path_factory.mktemp("corpus"), 150_000, 20_000, vocab_size=400)
 
 
 def overrides(corpus, **train_fields):
