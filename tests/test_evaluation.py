@@ -139,3 +139,23 @@ def test_unigram_floor_scores_the_same_targets(corpus, docs, tok):
     assert not skipped and len(losses) == 2
     np.testing.assert_allclose(losses, expected, rtol=1e-9)
     assert np.isinf(unigram.log_probs[list(corpus.special.all)]).all()  # specials are never predicted
+
+
+def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok):
+    import torch
+    import transformers
+
+    import eval as eval_cli
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32, relative_attention=True, position_buckets=8,
+        max_relative_positions=16, pos_att_type=["c2p", "p2c"], position_biased_input=False, type_vocab_size=0)
+    transformers.DebertaV2ForMaskedLM(config).save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    [em] = eval_cli.load_models([], [str(tmp_path)], None)
+    assert em.train_len == 32 and em.model.cfg.clamp_relative_positions
+    records, skipped = extrapolation.run_study(
+        [em], {"d": docs}, extrapolation.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
+    assert {r["eval_len"] for r in records if r["metric"] == "loss"} == {32, 128} and not skipped
