@@ -23,7 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 HF_PREFIX = "hf:"
-LOCAL_FILES_HINT = "--config.data.train_files=../shared/data/brown/train.txt"
+LOCAL_FILES_HINT = ("--config.data.train_files=../shared/data/brown/train.txt "
+                    "--config.data.eval_files=../shared/data/brown/valid.txt")
 HUB_PROBE_TIMEOUT_S = 3.0
 
 # Top-level WikiText heading: exactly one "=" on each side (sections have "= =").
