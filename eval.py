@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 
 from absl import app, flags
-from tokenizers import Tokenizer
 
-from deberta_jax import extrapolation, hf, report
+from deberta_jax import extrapolation, report
 from deberta_jax.config import ATTENTION_KERNELS
 from deberta_jax.text import is_hf_spec, load_documents
 
@@ -58,18 +57,10 @@ def dataset_name(spec: str) -> str:
     return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
 
 
-def load_models(workdirs, checkpoints, step, **kernel) -> list[extrapolation.EvalModel]:
-    """Trained workdirs and transformers checkpoints; `kernel`: ModelConfig's attention-kernel fields."""
-    models = [extrapolation.load_workdir_model(workdir, step, **kernel) for workdir in workdirs]
-    for path in checkpoints:
-        tokenizer_path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tokenizer_path):
-            raise FileNotFoundError(f"{tokenizer_path} not found: save the tokenizer next to the checkpoint "
-                                    "(tokenizer.save_pretrained(path) writes tokenizer.json for fast tokenizers)")
-        model = hf.load(path, clamp_relative_positions=True, **kernel)
-        models.append(extrapolation.EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model,
-                                              Tokenizer.from_file(tokenizer_path), model.cfg.max_position_embeddings))
-    return models
+def load_models(workdirs, checkpoints, step, **overrides) -> list[extrapolation.EvalModel]:
+    """Trained workdirs and transformers checkpoints; `overrides` replace ModelConfig fields (the kernel)."""
+    return ([extrapolation.load_workdir_model(w, step, **overrides) for w in workdirs]
+            + [extrapolation.load_hf_checkpoint(c, **overrides) for c in checkpoints])
 
 
 def main(argv):

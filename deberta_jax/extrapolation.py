@@ -16,8 +16,9 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from deberta_jax import checkpoint, data, evaluation
+from deberta_jax import checkpoint, data, evaluation, hf
 from deberta_jax.baselines import UnigramModel
 from deberta_jax.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.model import MaskedLM
@@ -50,6 +51,21 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
     `checkpoint.load_workdir` (e.g. the attention kernel)."""
     config, model, tokenizer = checkpoint.load_workdir(workdir, step, **overrides)
     return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len))
+
+
+def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
+    """A transformers `save_pretrained` directory (with its `tokenizer.json`) as an `EvalModel`.
+
+    Loaded with the official clamp of relative distances, since lengths past training are the point
+    here; its training length is taken to be `max_position_embeddings` (512 for published models).
+    """
+    tokenizer_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise FileNotFoundError(f"{tokenizer_path} not found: save the tokenizer next to the checkpoint "
+                                "(tokenizer.save_pretrained(path) writes tokenizer.json for fast tokenizers)")
+    model = hf.load(path, **{"clamp_relative_positions": True, **overrides})
+    return EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model,
+                     Tokenizer.from_file(tokenizer_path), model.cfg.max_position_embeddings)
 
 
 def unigram_reference(em: EvalModel) -> EvalModel:

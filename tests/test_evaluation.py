@@ -145,8 +145,6 @@ def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok
     import torch
     import transformers
 
-    import eval as eval_cli
-
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(
         vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -154,7 +152,7 @@ def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok
         max_relative_positions=16, pos_att_type=["c2p", "p2c"], position_biased_input=False, type_vocab_size=0)
     transformers.DebertaV2ForMaskedLM(config).save_pretrained(tmp_path)
     tok.save(str(tmp_path / "tokenizer.json"))
-    [em] = eval_cli.load_models([], [str(tmp_path)], None)
+    em = extrapolation.load_hf_checkpoint(str(tmp_path))
     assert em.train_len == 32 and em.model.cfg.clamp_relative_positions
     records, skipped = extrapolation.run_study(
         [em], {"d": docs}, extrapolation.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
