@@ -20,11 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def relative_positions(query_len: int, key_len: int) -> np.ndarray:
-    """`rel[i, j] = i - j` (int32, shape [query_len, key_len]); positive when the key is to the left."""
-    return np.arange(query_len, dtype=np.int32)[:, None] - np.arange(key_len, dtype=np.int32)[None, :]
-
-
 def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: int) -> np.ndarray:
     """DeBERTa's log-bucketing of relative distances.
 
