@@ -54,9 +54,10 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
     """Every (variant, training length, seed) with its workdir and `train.py` command."""
     runs = []
-    for variant in sweep.variants:
+    # Seed-major order: a sweep stopped early has every variant at the same number of seeds.
+    for seed in sweep.seeds:
         for seq_len in sweep.seq_lens:
-            for seed in sweep.seeds:
+            for variant in sweep.variants:
                 name = f"{variant.name}-L{seq_len}-s{seed}"
                 workdir = os.path.join(sweep.workdir_root, name)
                 overrides = flatten(sweep.common_overrides.to_dict())
