@@ -83,12 +83,7 @@ def main(argv):
     if FLAGS.unigram and FLAGS.workdir:
         models.append(extrapolation.unigram_reference(models[0]))
     records, skipped = extrapolation.run_study(models, datasets, settings)
-    means = report.aggregate_seeds(records)
-    report.write_results(records + means, skipped, FLAGS.out)
-    summary = report.markdown_summary(means, skipped)
-    with open(os.path.join(FLAGS.out, "summary.md"), "w") as f:
-        f.write(summary)
-    plots = report.plot_all(means, FLAGS.out)
+    _, summary, plots = report.write_report(records, skipped, FLAGS.out)
     print(summary)
     print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),
           "to", FLAGS.out)

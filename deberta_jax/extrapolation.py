@@ -174,10 +174,15 @@ def add_relative_change(records: list[dict]) -> list[dict]:
     return records + extra
 
 
-def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings):
-    """Score every model on every dataset; returns (records, skipped)."""
+def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
+              corpora: dict | None = None):
+    """Score every model on every dataset; returns (records, skipped).
+
+    `corpora` caches the tokenized, masked eval streams per (dataset, tokenizer); pass the same dict
+    to calls that score models one at a time so each stream is built once.
+    """
     records, skipped = [], []
-    corpora: dict[tuple[str, str], evaluation.EvalCorpus] = {}
+    corpora = {} if corpora is None else corpora
     for em in models:
         lengths = settings.lengths_for(em.train_len)
         bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)

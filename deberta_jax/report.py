@@ -66,6 +66,19 @@ def write_results(records: Sequence[dict], skipped: Sequence[dict], out_dir: str
         writer.writerows(records)
 
 
+def write_report(records: Sequence[dict], skipped: Sequence[dict], out_dir: str) -> tuple[list[dict], str, list[str]]:
+    """Per-seed records -> results files, `summary.md` and plots in `out_dir`.
+
+    Returns the mean-over-seeds records, the summary's Markdown and the plot paths.
+    """
+    means = aggregate_seeds(records)
+    write_results(list(records) + means, skipped, out_dir)
+    summary = markdown_summary(means, skipped)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(summary)
+    return means, summary, plot_all(means, out_dir)
+
+
 def _select(records, **where):
     return [r for r in records if all(r.get(k) == v for k, v in where.items())]
 

@@ -14,6 +14,7 @@ cluster scheduler instead of running them; `--mode report` evaluates whatever ha
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -99,27 +100,62 @@ def code_version() -> str:
         return "unknown (not a git checkout)"
 
 
+EVAL_CACHE = "length_eval.json"
+
+
+def study_settings(sweep: config_dict.ConfigDict) -> extrapolation.StudySettings:
+    ev = sweep.eval
+    return extrapolation.StudySettings(
+        multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
+        protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
+        bootstrap=ev.bootstrap)
+
+
+def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, settings, corpora) -> tuple[list, list]:
+    """`run_study` for one model, kept in `cache_path` so an interrupted or repeated report does not
+    evaluate a run again; the cache is used only if `fingerprint` (what the result depends on:
+    settings, eval files, the run's command) is unchanged."""
+    fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as they come back from the file
+    if os.path.isfile(cache_path):
+        with open(cache_path) as f:
+            cached = json.load(f)
+        if cached.get("fingerprint") == fingerprint:
+            return cached["records"], cached["skipped"]
+    records, skipped = extrapolation.run_study([load_model()], datasets, settings, corpora)
+    report.check_finite(records)
+    tmp = cache_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(fingerprint=fingerprint, records=records, skipped=skipped), f)
+    os.replace(tmp, cache_path)
+    return records, skipped
+
+
 def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
-    """Length-evaluate every finished run and write raw results, summary, plots and REPORT.md."""
+    """Length-evaluate every finished run (each cached in its workdir) and a unigram floor, then write
+    raw results, summary, plots and REPORT.md."""
     done = [r for r in runs if finished(r)]
     missing = [r["name"] for r in runs if r not in done]
     if not done:
         raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
-    ev = sweep.eval
-    models = [extrapolation.load_workdir_model(run["workdir"]) for run in done]
-    settings = extrapolation.StudySettings(
-        multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
-        protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
-        bootstrap=ev.bootstrap)
-    datasets = {name: load_documents(spec) for name, spec in ev.data_files.items()}
-    records, skipped = extrapolation.run_study(models, datasets, settings)
-    means = report.aggregate_seeds(records)
+    settings = study_settings(sweep)
+    datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
+    base = dict(settings=dataclasses.asdict(settings), data_files=sweep.eval.data_files.to_dict())
+    corpora, records, skipped = {}, [], []
+    for i, run in enumerate(done, 1):
+        print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)
+        recs, skips = cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, command=run["command"][1:]),
+                                   lambda run=run: extrapolation.load_workdir_model(run["workdir"]),
+                                   datasets, settings, corpora)
+        records += recs
+        skipped += skips
+    # The floor every variant must beat: unigram counts from the (shared) training files and tokenizer.
+    first = done[0]["workdir"]
+    recs, _ = cached_study(
+        os.path.join(sweep.workdir_root, "unigram_" + EVAL_CACHE), dict(base, counts_from=first),
+        lambda: extrapolation.unigram_reference(extrapolation.load_workdir_model(first)), datasets, settings, corpora)
+    records += recs
     out = sweep.report_dir
-    report.write_results(records + means, skipped, out)
-    summary = report.markdown_summary(means, skipped)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(summary)
-    plots = report.plot_all(means, out)
+    means, _, plots = report.write_report(records, skipped, out)
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "

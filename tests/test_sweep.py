@@ -31,9 +31,9 @@ def micro_variant_config(variant, corpus):
     return config
 
 
-@pytest.mark.parametrize("index", range(len(ablation.get_config().variants)))
+@pytest.mark.parametrize("index", range(len(ablation.get_config("full").variants)))
 def test_every_variant_trains_and_extrapolates(index, corpus, tmp_path):
-    variant = ablation.get_config().variants[index]
+    variant = ablation.get_config("full").variants[index]
     workdir = tmp_path / f"{variant.name}-L16-s0"
     metrics = train.train_and_evaluate(micro_variant_config(variant, corpus), workdir)
     assert metrics["eval_loss"] > 0
@@ -61,6 +61,32 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: launched.append(command))
     sweep.train_all(runs)
     assert launched == [runs[1]["command"]]
+
+
+def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_path, monkeypatch):
+    plan = ablation.get_config("smoke")
+    plan.workdir_root, plan.report_dir = str(tmp_path / "runs"), str(tmp_path / "report")
+    plan.config_path = "configs/sweeps/ablation.py:smoke"
+    runs = sweep.planned_runs(plan)
+    for variant, run in zip(plan.variants, runs):
+        config = micro_variant_config(variant, corpus)
+        config.train.num_steps = run["num_steps"]
+        train.train_and_evaluate(config, run["workdir"])
+    report_path = sweep.evaluate_and_report(plan, runs)
+    text = open(report_path).read()
+    for label in ("bert-L16", "deberta-L16", "unigram"):
+        assert f"| {label} |" in text
+    assert (tmp_path / "report" / "loss_vs_length_brown_valid.png").is_file()
+
+    # A second report reads every run's cached evaluation; changed eval settings invalidate it.
+    def fail(*args, **kwargs):
+        raise AssertionError("evaluated again")
+
+    monkeypatch.setattr(sweep.extrapolation, "run_study", fail)
+    assert open(sweep.evaluate_and_report(plan, runs)).read().split("## Sweep")[0].count("| unigram |") == 2
+    plan.eval.num_targets += 1
+    with pytest.raises(AssertionError, match="evaluated again"):
+        sweep.evaluate_and_report(plan, runs)
 
 
 def test_flatten_builds_override_names():

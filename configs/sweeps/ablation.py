@@ -55,7 +55,7 @@ def get_config(arg: str = "cpu"):
             variant("deberta-emd-p2c", deberta, pos_att_type="c2p"),
             variant("deberta-no-buckets", deberta, **emd, position_buckets=0),
             variant("deberta-separate-keys", deberta, **emd, share_att_key=False),
-            variant("deberta-abs-input", deberta, **emd, position_biased_input=True),
+            variant("deberta-emd-abs-input", deberta, position_biased_input=True),  # EMD needs it off
             variant("sinusoidal", bert, absolute_embedding="sinusoidal"),
             variant("bert-randomized", bert, randomized_positions=True),
         ]
