@@ -144,26 +144,30 @@ def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict]) -> s
 
 
 def ablation_table(mean_records: Sequence[dict], policy: str, multiples=(1, 2, 4, 8)) -> str:
-    """One row per variant: chunked loss and accuracy at each multiple of L, per dataset.
+    """One row per variant: chunked loss and accuracy at each multiple of L, per dataset, and the
+    loss change from 1x to the largest multiple (mean over seeds of each run's own change, so the
+    interval is the paired one).
 
     Models with a learned absolute table are shown under `policy` (the other policies are in
     summary.md); relative models have the single policy "none".
     """
     rows = [r for r in mean_records if r["protocol"] == "chunked" and r["bucket"] == "all"
-            and r["policy"] in (policy, "none") and r["metric"] in ("loss", "accuracy")]
+            and r["policy"] in (policy, "none") and r["metric"] in ("loss", "accuracy", "loss_change_vs_1x")]
+    longest = float(max(multiples))
     lines = []
     for dataset in sorted({r["dataset"] for r in rows}):
         lines += [f"### {dataset}: masked-token loss / accuracy (chunked; absolute tables: {policy})", "",
                   "| variant | seeds | " + " | ".join(f"loss {m}x" for m in multiples) + " | "
-                  + " | ".join(f"acc {m}x" for m in multiples) + " |",
-                  "|---|---|" + "---|" * (2 * len(multiples))]
+                  + " | ".join(f"acc {m}x" for m in multiples) + f" | loss {max(multiples)}x - 1x |",
+                  "|---|---|" + "---|" * (2 * len(multiples) + 1)]
         sel = _select(rows, dataset=dataset)
         for model in sorted({r["model"] for r in sel}):
             cells = {(r["metric"], r["eval_len"] / r["train_len"]): r for r in _select(sel, model=model)}
             seeds = max(r.get("n_seeds") or 1 for r in _select(sel, model=model))
             lines.append(f"| {model} | {seeds} | "
                          + " | ".join(_fmt(cells.get(("loss", float(m)))) for m in multiples) + " | "
-                         + " | ".join(_fmt(cells.get(("accuracy", float(m)))) for m in multiples) + " |")
+                         + " | ".join(_fmt(cells.get(("accuracy", float(m)))) for m in multiples) + " | "
+                         + _fmt(cells.get(("loss_change_vs_1x", longest))) + " |")
         lines.append("")
     return "\n".join(lines)
 
