@@ -92,6 +92,12 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
     assert max(at_16.values()) - min(at_16.values()) < 1e-6
 
 
+def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
+    other = train_tokenizer(docs, 300)
+    models = [extrapolation.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
+    assert extrapolation.tokenizer_groups(models) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
+
+
 def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
     models = [extrapolation.EvalModel("deb", s, f"w{s}", tiny(tok), tok, 16) for s in (0, 1)]
     models[1].model = tiny(tok, initializer_range=0.03)
