@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -72,6 +73,28 @@ def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
             cols = np.nonzero(w.weights.any(axis=0))[0]
             assert cols.min() >= 1 + offset and cols.max() < 1 + offset + span
     assert len(reference) > 10
+
+
+def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
+    model = tiny(tok, attention="disentangled")
+    windows = evaluation.chunked_windows(corpus, 16)
+    sums = evaluation.score_windows(evaluation.make_scorer(model), corpus, windows, batch_size=5, bucket_width=4)
+    logp = np.asarray(jax.nn.log_softmax(model.mlm_logits(windows.input_ids, windows.attention_mask), axis=-1))
+    target = windows.weights > 0
+    nll = -np.take_along_axis(logp, windows.labels[..., None], axis=-1)[..., 0][target]
+    correct = (logp.argmax(-1) == windows.labels)[target]
+    assert sums.count == target.sum()
+    np.testing.assert_allclose(sums.loss, nll.mean(), rtol=1e-5)
+    np.testing.assert_allclose(sums.accuracy, correct.mean(), rtol=1e-6)
+    by_bucket = np.bincount((np.nonzero(target)[1] // 4), weights=nll) / np.bincount(np.nonzero(target)[1] // 4)
+    np.testing.assert_allclose(sums.loss_bucket / sums.count_bucket, by_bucket, rtol=1e-5)
+
+
+def test_padded_counts_cover_the_targets_with_little_waste():
+    counts = [evaluation.padded_count(n) for n in range(1, 5000)]
+    assert all(c >= n for n, c in zip(range(1, 5000), counts))
+    assert all(c - n < max(n / 8, 8) for n, c in zip(range(1, 5000), counts))
+    assert len(set(counts[2300:2600])) <= 3  # about 15% of a 16k-token batch: few compiles
 
 
 def test_policies_are_reported_not_silently_nan(docs, tok):
