@@ -50,8 +50,8 @@ FAMILIES = {"bert": bert, "deberta": deberta}
 MASK_PROB = 0.15
 
 
-def model_config(family: str, size: str, seq: int, trained_length: int | None, kernel: str, block_size: int
-                 ) -> tuple[ModelConfig, object]:
+def model_config(family: str, size: str, seq: int, trained_length: int | None, kernel: str, block_size: int,
+                 dropout: float | None = None) -> tuple[ModelConfig, object]:
     """The `configs/<family>.py:<size>` model trained at `trained_length` (default `seq`) and its train config.
 
     DeBERTa's relative table follows the training length (configs/deberta.py); BERT's absolute table
@@ -60,6 +60,8 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
     config = FAMILIES[family].get_config(size)
     config.data.seq_len = trained_length or seq
     model = dict(config.model.to_dict(), attention_kernel=kernel, attention_block_size=block_size)
+    if dropout is not None:
+        model.update(hidden_dropout=dropout, attention_dropout=dropout)
     model.update(max_position_embeddings=max(model["max_position_embeddings"], config.data.seq_len),
                  trained_length=config.data.seq_len, absolute_position_policy="clip")
     return ModelConfig.from_dict(model), config.train
@@ -197,6 +199,9 @@ def main(argv=None) -> None:
                              "absolute table); default: --seq. Eval past training: e.g. --seq 8192 --trained-length 512")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="hidden and attention dropout rate of both implementations (default: the config's); "
+                             "0 shows what the masks cost")
     parser.add_argument("--compile-only", action="store_true", help="report memory without running the step")
     parser.add_argument("--compare-transformers", action="store_true")
     args = parser.parse_args(argv)
@@ -205,10 +210,11 @@ def main(argv=None) -> None:
     for family in args.model.split(","):
         for seq in map(int, args.seq.split(",")):
             for kernel in args.kernel.split(","):
-                cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size)
+                cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size,
+                                                 args.dropout)
                 flops = model_flops_per_token(cfg, seq, args.batch) * (3 if args.mode == "train" else 1)
                 row = dict(model=family, size=args.size, mode=args.mode, kernel=kernel, seq=seq, batch=args.batch,
-                           model_flops_per_token=round(flops))
+                           dropout=cfg.hidden_dropout, model_flops_per_token=round(flops))
                 info, runs[len(rows), ""] = jax_case(cfg, train_config, args.mode, seq, args.batch)
                 row.update(info)
                 if args.compare_transformers:

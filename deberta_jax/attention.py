@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax import kernels, positions
+from deberta_jax import dropout, kernels, positions
 from deberta_jax.config import ModelConfig
 from deberta_jax.layers import dense
 
@@ -185,12 +185,12 @@ class SelfAttention(nnx.Module):
         separate = cfg.attention == "disentangled" and not cfg.share_att_key
         self.pos_key_proj = dense(cfg, h, h, rngs) if separate and "c2p" in cfg.pos_att_type else None
         self.pos_query_proj = dense(cfg, h, h, rngs) if separate and "p2c" in cfg.pos_att_type else None
-        self.pos_dropout = nnx.Dropout(cfg.hidden_dropout)
+        self.pos_dropout = dropout.Dropout(cfg.hidden_dropout)
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""
         cfg = self.cfg
-        table = self.pos_dropout(ctx.rel_embeddings, deterministic=rngs is None, rngs=rngs)
+        table = self.pos_dropout(ctx.rel_embeddings, rngs)
         key_proj = self.key_proj if cfg.share_att_key else self.pos_key_proj
         query_proj = self.query_proj if cfg.share_att_key else self.pos_query_proj
         pos_k = split_heads(key_proj(table), cfg.num_heads) if "c2p" in cfg.pos_att_type else None

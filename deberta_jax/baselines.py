@@ -23,7 +23,7 @@ class UnigramModel:
         self.best = int(np.argmax(counts))
 
     def scorer(self):
-        """Same signature as `evaluation.make_scorer`'s result: `(ids, mask, labels) -> (nll, correct)`."""
-        def run(ids, mask, labels):
+        """Same signature as `evaluation.make_scorer`'s result: `(ids, mask, positions, labels) -> (nll, correct)`."""
+        def run(ids, mask, positions, labels):
             return -self.log_probs[labels], labels == self.best
         return run

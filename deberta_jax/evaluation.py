@@ -144,25 +144,42 @@ def default_offsets(train_len: int, seq_len: int, span: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- scoring
-Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def make_scorer(model, policy: str | None = None) -> Scorer:
-    """A jitted `(ids, mask, labels) -> (nll, correct)` per token; compiles once per batch shape."""
+    """A jitted `(ids, mask, positions, labels) -> (nll, correct)` for the flat positions `positions`
+    of the `[B, N]` batch (their `labels` alike); compiles once per batch shape and count.
+
+    Only those positions go through the MLM head: the vocabulary projection is the largest matmul
+    of a small model, and evaluation scores about 15% of positions (chunked) or far fewer
+    (fixed-target), as training does (`train_lib.masked_lm_sums`).
+    """
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def score(state, ids, mask, labels):
-        logits = nnx.merge(graphdef, state)(ids, mask, absolute_position_policy=policy)
+    def score(state, ids, mask, positions, labels):
+        model = nnx.merge(graphdef, state)
+        hidden = model.encode(ids, mask, absolute_position_policy=policy)
+        logits = model.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
         logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        nll = -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
         return nll, jnp.argmax(logits, axis=-1) == labels
 
-    def run(ids, mask, labels):
-        nll, correct = score(state, ids, mask, labels)
+    def run(ids, mask, positions, labels):
+        nll, correct = score(state, ids, mask, positions, labels)
         return np.asarray(nll), np.asarray(correct)
 
     return run
+
+
+def padded_count(n: int) -> int:
+    """`n` rounded up to a multiple of an eighth of its power of two (at least 8), so that the number
+    of scored positions takes few distinct values (one compile each) and wastes under 1/8."""
+    if n <= 8:
+        return 8
+    step = max(1 << (n.bit_length() - 4), 1)
+    return -(-n // step) * step
 
 
 @dataclasses.dataclass
@@ -201,17 +218,18 @@ def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_si
     """Score all windows in fixed-size batches (the last one padded) and accumulate sums."""
     n, seq_len = windows.input_ids.shape
     sums = Sums.zeros(corpus.num_docs, seq_len, bucket_width)
-    bucket_of_position = np.arange(seq_len) // bucket_width
     for start in tqdm(range(0, n, batch_size), desc=desc, leave=False, disable=None):
         rows = slice(start, min(start + batch_size, n))
-        ids, mask, labels = (_pad_rows(a[rows], batch_size) for a in
-                             (windows.input_ids, windows.attention_mask, windows.labels))
-        nll, correct = scorer(ids, mask, labels)
-        k = rows.stop - rows.start
-        w = windows.weights[rows] > 0
-        nll, correct = nll[:k][w], correct[:k][w]
-        docs = corpus.doc_ids[windows.stream_pos[rows][w]]
-        buckets = np.broadcast_to(bucket_of_position, w.shape)[w]
+        ids, mask, labels, weights = (_pad_rows(a[rows], batch_size) for a in
+                                      (windows.input_ids, windows.attention_mask, windows.labels, windows.weights))
+        positions = np.flatnonzero(weights > 0)  # row-major; padding rows have no targets
+        count = len(positions)
+        padded = np.zeros(padded_count(count), np.int32)
+        padded[:count] = positions
+        nll, correct = scorer(ids, mask, padded, labels.reshape(-1)[padded])
+        nll, correct = nll[:count], correct[:count]
+        docs = corpus.doc_ids[_pad_rows(windows.stream_pos[rows], batch_size).reshape(-1)[positions]]
+        buckets = positions % seq_len // bucket_width
         np.add.at(sums.loss_doc, docs, nll)
         np.add.at(sums.correct_doc, docs, correct)
         np.add.at(sums.count_doc, docs, 1)

@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 from tokenizers import Tokenizer
 
 from deberta_jax import checkpoint, data, evaluation, hf
@@ -174,6 +175,15 @@ def add_relative_change(records: list[dict]) -> list[dict]:
     return records + extra
 
 
+def tokenizer_groups(models: Sequence[EvalModel]) -> list[list[str]]:
+    """Labels of the models grouped by tokenizer. Targets are token positions of each tokenizer's
+    stream, so only models in one group are scored on the same targets (paired comparisons)."""
+    groups: dict[str, list[str]] = {}
+    for em in models:
+        groups.setdefault(em.tokenizer.to_str(), []).append(f"{em.label} (seed {em.seed})")
+    return list(groups.values())
+
+
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
               corpora: dict | None = None):
     """Score every model on every dataset; returns (records, skipped).
@@ -183,6 +193,10 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     """
     records, skipped = [], []
     corpora = {} if corpora is None else corpora
+    groups = tokenizer_groups(models)
+    if len(groups) > 1:
+        logging.warning("models use %d different tokenizers, so their targets differ and comparisons between "
+                        "these groups are not paired: %s", len(groups), "; ".join(", ".join(g) for g in groups))
     for em in models:
         lengths = settings.lengths_for(em.train_len)
         bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)

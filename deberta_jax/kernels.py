@@ -17,9 +17,10 @@ block's scores from the saved log-sum-exp, so neither pass keeps more than `[B, 
 of scores: memory linear in length, the same result to float rounding. Both mask keys only (outputs
 at real tokens do not depend on padding) and compute the softmax in float32.
 
-Attention-probability dropout works in both. The dense kernel draws one mask (the bits of
-`nnx.Dropout`); the blockwise one draws block `b`'s mask from `fold_in(key, b)` (`dropout_keep`) and
-draws it again in the backward pass, so the two kernels drop different (equally distributed) entries.
+Attention-probability dropout works in both (`deberta_jax.dropout` masks). The dense kernel draws
+one mask of the probabilities' shape; the blockwise one draws block `b`'s mask from `fold_in(key, b)`
+(`dropout_keep`) and draws it again in the backward pass, so the two kernels drop different (equally
+distributed) entries.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deberta_jax import dropout
 from deberta_jax.config import ATTENTION_KERNELS
 
 NEG_INF = float(np.finfo(np.float32).min)
@@ -41,11 +43,7 @@ ScoreFn = Callable[[Any, Any, Any], jax.Array]
 
 def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...], rate: float) -> jax.Array:
     """The keep mask of attention dropout for key block `block` of the blockwise kernel."""
-    return jax.random.bernoulli(jax.random.fold_in(key, block), 1.0 - rate, shape)
-
-
-def _drop(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
-    return x if keep is None else jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    return dropout.keep_mask(jax.random.fold_in(key, block), shape, rate)
 
 
 def dense_attention(score_fn: ScoreFn, shared, keys, v: jax.Array, key_mask: jax.Array, *,
@@ -53,14 +51,14 @@ def dense_attention(score_fn: ScoreFn, shared, keys, v: jax.Array, key_mask: jax
     """Softmax over all `Nk` keys at once; `v` `[B, H, Nk, d]`, `key_mask` `[B, Nk]` (1 = real token).
 
     The fastest kernel while `[B, H, Nq, Nk]` float32 scores fit in memory. Dropout (when
-    `dropout_key` is given) is `nnx.Dropout`'s: one Bernoulli draw of the probabilities' shape.
+    `dropout_key` is given) draws one mask of the probabilities' shape.
     """
     n_k = v.shape[-2]
     scores = score_fn(shared, keys, np.arange(n_k)).astype(jnp.float32)
     scores = jnp.where(key_mask[:, None, None, :].astype(bool), scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     if dropout_key is not None and dropout_rate > 0:
-        probs = _drop(probs, jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, probs.shape), dropout_rate)
+        probs = dropout.apply(probs, dropout.keep_mask(dropout_key, probs.shape, dropout_rate), dropout_rate)
     return jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), v)
 
 
@@ -117,7 +115,7 @@ def _online_softmax_fwd(score_fn, n_k, rate, shared, key_blocks, value_blocks, m
         l = l * correction + p.sum(axis=-1)
         keep = dropout_keep(dropout_key, block, p.shape, rate) if rate else None
         acc = acc * correction[..., None] + jnp.einsum(
-            "bhij,bhjd->bhid", _drop(p, keep, rate).astype(value_block.dtype), value_block,
+            "bhij,bhjd->bhid", dropout.apply(p, keep, rate).astype(value_block.dtype), value_block,
             preferred_element_type=jnp.float32)
         return (m_new, l, acc), None
 
@@ -141,9 +139,9 @@ def _online_softmax_bwd(score_fn, n_k, rate, residuals, d_out):
             lambda sh, kb: _block_scores(score_fn, n_k, sh, kb, mask_block, block), shared, key_block)
         p = jnp.exp(scores - lse[..., None])
         keep = dropout_keep(dropout_key, block, p.shape, rate) if rate else None
-        d_value = jnp.einsum("bhij,bhid->bhjd", _drop(p, keep, rate).astype(value_block.dtype),
+        d_value = jnp.einsum("bhij,bhid->bhjd", dropout.apply(p, keep, rate).astype(value_block.dtype),
                              d_out.astype(value_block.dtype), preferred_element_type=jnp.float32)
-        dp = _drop(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
+        dp = dropout.apply(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
         d_sh, d_key = pull(p * (dp - delta[..., None]))
         d_shared = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_shared, d_sh)
         return d_shared, (d_key, d_value.astype(value_block.dtype))

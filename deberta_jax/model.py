@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax import positions
+from deberta_jax import dropout, positions
 from deberta_jax.attention import PositionContext, SelfAttention
 from deberta_jax.config import ModelConfig
 from deberta_jax.layers import dense, layer_norm, table
@@ -46,7 +46,7 @@ class Embeddings(nnx.Module):
         self.position_embeddings = table(cfg, cfg.max_position_embeddings, rngs) if cfg.uses_absolute_table else None
         self.token_type_embeddings = table(cfg, cfg.type_vocab_size, rngs) if cfg.type_vocab_size else None
         self.norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout)
+        self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
     def absolute(self, ctx: PositionContext, policy: str) -> jax.Array:
         """Absolute position vectors `[1 or B, N, hidden]` for `ctx.position_ids`.
@@ -69,7 +69,7 @@ class Embeddings(nnx.Module):
         if self.token_type_embeddings is not None:
             x = x + jnp.take(self.token_type_embeddings[...], token_type_ids, axis=0)
         x = self.norm(x) * key_mask[..., None].astype(jnp.float32)
-        return self.dropout(x, deterministic=rngs is None, rngs=rngs)
+        return self.dropout(x, rngs)
 
 
 class EncoderLayer(nnx.Module):
@@ -83,15 +83,14 @@ class EncoderLayer(nnx.Module):
         self.intermediate = dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
         self.output = dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
         self.output_norm = layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout)
+        self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, query_states=None, rngs=None) -> jax.Array:
         residual = hidden if query_states is None else query_states
-        drop = lambda x: self.dropout(x, deterministic=rngs is None, rngs=rngs)  # noqa: E731
         context = self.attention(hidden, key_mask, ctx, query_states=query_states, rngs=rngs)
-        att = self.attention_norm(drop(self.attention_out(context)).astype(jnp.float32) + residual)
+        att = self.attention_norm(self.dropout(self.attention_out(context), rngs).astype(jnp.float32) + residual)
         mlp = self.output(ACTIVATIONS[self.cfg.hidden_act](self.intermediate(att)))
-        return self.output_norm(drop(mlp).astype(jnp.float32) + att)
+        return self.output_norm(self.dropout(mlp, rngs).astype(jnp.float32) + att)
 
 
 class Encoder(nnx.Module):

@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -74,6 +75,28 @@ def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
     assert len(reference) > 10
 
 
+def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
+    model = tiny(tok, attention="disentangled")
+    windows = evaluation.chunked_windows(corpus, 16)
+    sums = evaluation.score_windows(evaluation.make_scorer(model), corpus, windows, batch_size=5, bucket_width=4)
+    logp = np.asarray(jax.nn.log_softmax(model.mlm_logits(windows.input_ids, windows.attention_mask), axis=-1))
+    target = windows.weights > 0
+    nll = -np.take_along_axis(logp, windows.labels[..., None], axis=-1)[..., 0][target]
+    correct = (logp.argmax(-1) == windows.labels)[target]
+    assert sums.count == target.sum()
+    np.testing.assert_allclose(sums.loss, nll.mean(), rtol=1e-5)
+    np.testing.assert_allclose(sums.accuracy, correct.mean(), rtol=1e-6)
+    by_bucket = np.bincount((np.nonzero(target)[1] // 4), weights=nll) / np.bincount(np.nonzero(target)[1] // 4)
+    np.testing.assert_allclose(sums.loss_bucket / sums.count_bucket, by_bucket, rtol=1e-5)
+
+
+def test_padded_counts_cover_the_targets_with_little_waste():
+    counts = [evaluation.padded_count(n) for n in range(1, 5000)]
+    assert all(c >= n for n, c in zip(range(1, 5000), counts))
+    assert all(c - n < max(n / 8, 8) for n, c in zip(range(1, 5000), counts))
+    assert len(set(counts[2300:2600])) <= 3  # about 15% of a 16k-token batch: few compiles
+
+
 def test_policies_are_reported_not_silently_nan(docs, tok):
     bert = tiny(tok, attention="entangled", position_biased_input=True)
     models = [extrapolation.EvalModel("bert", 0, "a", bert, tok, 16)]
@@ -90,6 +113,12 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
     # Within the training length every policy reads the same trained rows.
     at_16 = {r["policy"]: r["value"] for r in records if r["eval_len"] == 16 and r["metric"] == "loss" and r["bucket"] == "all"}
     assert max(at_16.values()) - min(at_16.values()) < 1e-6
+
+
+def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
+    other = train_tokenizer(docs, 300)
+    models = [extrapolation.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
+    assert extrapolation.tokenizer_groups(models) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
 
 
 def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
