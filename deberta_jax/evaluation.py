@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from deberta_jax import train_lib
 from deberta_jax.data import check_seq_len, pack_stream, token_stream
 from deberta_jax.tokenizer import SpecialIds
 
@@ -173,13 +174,15 @@ def make_scorer(model, policy: str | None = None) -> Scorer:
     return run
 
 
-def padded_count(n: int) -> int:
-    """`n` rounded up to a multiple of an eighth of its power of two (at least 8), so that the number
-    of scored positions takes few distinct values (one compile each) and wastes under 1/8."""
-    if n <= 8:
-        return 8
-    step = max(1 << (n.bit_length() - 4), 1)
-    return -(-n // step) * step
+def scored_count(num_tokens: int, num_targets: int) -> int:
+    """How many positions the head scores in a batch of `num_tokens` holding `num_targets` targets.
+
+    A bound fixed by the batch shape (training's `prediction_budget` at the evaluation masking rate,
+    far above what any batch holds), so one compile serves every batch of a length, chunked or
+    fixed-target; a batch past it (a corpus masked at a higher rate) rounds up to a multiple of 64.
+    """
+    budget = train_lib.prediction_budget(num_tokens, EVAL_MASK_PROB)
+    return budget if num_targets <= budget else -(-num_targets // 64) * 64
 
 
 @dataclasses.dataclass
@@ -224,7 +227,7 @@ def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_si
                                       (windows.input_ids, windows.attention_mask, windows.labels, windows.weights))
         positions = np.flatnonzero(weights > 0)  # row-major; padding rows have no targets
         count = len(positions)
-        padded = np.zeros(padded_count(count), np.int32)
+        padded = np.zeros(scored_count(ids.size, count), np.int32)
         padded[:count] = positions
         nll, correct = scorer(ids, mask, padded, labels.reshape(-1)[padded])
         nll, correct = nll[:count], correct[:count]

@@ -90,11 +90,11 @@ def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
     np.testing.assert_allclose(sums.loss_bucket / sums.count_bucket, by_bucket, rtol=1e-5)
 
 
-def test_padded_counts_cover_the_targets_with_little_waste():
-    counts = [evaluation.padded_count(n) for n in range(1, 5000)]
-    assert all(c >= n for n, c in zip(range(1, 5000), counts))
-    assert all(c - n < max(n / 8, 8) for n, c in zip(range(1, 5000), counts))
-    assert len(set(counts[2300:2600])) <= 3  # about 15% of a 16k-token batch: few compiles
+def test_scored_counts_cover_the_targets_with_one_shape_per_batch_size():
+    counts = [evaluation.scored_count(16384, n) for n in range(0, 6000, 7)]
+    assert all(c >= n for n, c in zip(range(0, 6000, 7), counts))
+    assert len(set(counts[: 2800 // 7])) == 1  # every batch masked at the evaluation rate: one compile
+    assert evaluation.scored_count(16384, 5000) == 5056
 
 
 def test_policies_are_reported_not_silently_nan(docs, tok):
