@@ -172,6 +172,9 @@ def ablation_table(mean_records: Sequence[dict], policy: str, multiples=(1, 2, 4
     return "\n".join(lines)
 
 
+_POLICY_STYLES = {"none": "-", "clip": "-", "untrained": "--", "interpolate": ":", "strict": "-."}
+
+
 def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
     """Loss vs eval/train length (log2 x, interval bands) and loss by position per eval length."""
     import matplotlib
@@ -185,13 +188,17 @@ def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
         overall = [r for r in rows if r["bucket"] == "all"]
         if not overall:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        # One colour per model (tab20 has enough for a sweep), one line style per absolute-table policy.
+        models = sorted({r["model"] for r in overall})
+        colours = {m: plt.get_cmap("tab20" if len(models) > 10 else "tab10")(i) for i, m in enumerate(models)}
         for model, policy in sorted({(r["model"], r["policy"]) for r in overall}):
             sel = sorted(_select(overall, model=model, policy=policy), key=lambda r: r["eval_len"])
             x = np.array([r["eval_len"] / r["train_len"] for r in sel])
             y = np.array([r["value"] for r in sel])
             label = model if policy == "none" else f"{model} ({policy})"
-            (line,) = ax.plot(x, y, marker="o", label=label)
+            (line,) = ax.plot(x, y, marker="o", label=label, color=colours[model],
+                              linestyle=_POLICY_STYLES.get(policy, "-"))
             if all(r.get("ci_low") is not None for r in sel):
                 ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel],
                                 color=line.get_color(), alpha=0.2)
@@ -200,7 +207,7 @@ def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
         ax.set_xlabel("eval length / training length")
         ax.set_ylabel("masked-token loss (nats)")
         ax.set_title(f"Length extrapolation on {dataset} (chunked)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_vs_length_{_slug(dataset)}.png")
         fig.savefig(path, dpi=120)
