@@ -90,11 +90,12 @@ def train_all(runs: list[dict]) -> None:
         subprocess.run(run["command"], check=True)
 
 
-def code_version() -> str:
+def code_version(report_dir: str) -> str:
+    """The commit, marked when tracked files other than the report's own differ from it."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                f":(exclude){report_dir}"], capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
@@ -159,7 +160,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
-        f"`{code_version()}` by `python -m deberta_jax.sweep --sweep {sweep.config_path} --mode run`.", "",
+        f"`{code_version(out)}` by `python -m deberta_jax.sweep --sweep {sweep.config_path} --mode run`.", "",
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy), "",
