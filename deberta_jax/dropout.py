@@ -2,8 +2,8 @@
 
 `jax.random.bernoulli` spends a full 32-bit draw on every element (a float32 uniform). With
 threefry, JAX's default generator and the one whose bits do not depend on how an array is sharded,
-the masks of a tiny train step (hidden and attention dropout) took about a fifth of the whole step on
-this project's 2-core CPU. Comparing each 16-bit half of a 32-bit draw with `round(rate * 2**16)`
+the masks (hidden and attention dropout) took about 8% of a tiny BERT train step on this project's
+2-core CPU, and 3% with the masks below (benchmarks/README.md). Comparing each 16-bit half of a 32-bit draw with `round(rate * 2**16)`
 gives the same Bernoulli distribution for half the generator work, with the rate rounded to a
 multiple of 2**-16 (0.1 becomes 0.1000061); kept values are scaled by the rounded keep
 probability, so the output stays unbiased. The bits are still a pure function of the key, so
