@@ -9,7 +9,9 @@ overrides, plus seeds, training lengths, overrides common to all runs, and the e
 Each run is an ordinary `train.py` invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`),
 so a sweep is resumable for free: finished runs (a checkpoint at `num_steps`) are skipped and
 interrupted ones resume from their last checkpoint. `--mode print` writes the same commands for a
-cluster scheduler instead of running them; `--mode report` evaluates whatever has finished.
+cluster scheduler instead of running them; `--mode report` evaluates whatever has finished. Each
+run's evaluation is kept in its workdir (`length_eval.json`), so an interrupted report resumes and a
+finished one is rebuilt in seconds.
 """
 
 from __future__ import annotations
