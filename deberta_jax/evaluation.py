@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from tqdm import tqdm
 
@@ -152,19 +153,16 @@ def make_scorer(model, policy: str | None = None) -> Scorer:
     """A jitted `(ids, mask, positions, labels) -> (nll, correct)` for the flat positions `positions`
     of the `[B, N]` batch (their `labels` alike); compiles once per batch shape and count.
 
-    Only those positions go through the MLM head: the vocabulary projection is the largest matmul
-    of a small model, and evaluation scores about 15% of positions (chunked) or far fewer
-    (fixed-target), as training does (`train_lib.masked_lm_sums`).
+    Only those positions go through the MLM head (`MaskedLM.head_at`, as in training): evaluation
+    scores about 15% of positions (chunked) or far fewer (fixed-target).
     """
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def score(state, ids, mask, positions, labels):
         model = nnx.merge(graphdef, state)
-        hidden = model.encode(ids, mask, absolute_position_policy=policy)
-        logits = model.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+        logits = model.head_at(model.encode(ids, mask, absolute_position_policy=policy), positions)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # as in training
         return nll, jnp.argmax(logits, axis=-1) == labels
 
     def run(ids, mask, positions, labels):
@@ -223,15 +221,16 @@ def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_si
     sums = Sums.zeros(corpus.num_docs, seq_len, bucket_width)
     for start in tqdm(range(0, n, batch_size), desc=desc, leave=False, disable=None):
         rows = slice(start, min(start + batch_size, n))
-        ids, mask, labels, weights = (_pad_rows(a[rows], batch_size) for a in
-                                      (windows.input_ids, windows.attention_mask, windows.labels, windows.weights))
-        positions = np.flatnonzero(weights > 0)  # row-major; padding rows have no targets
+        ids, mask, labels = (_pad_rows(a[rows], batch_size) for a in
+                             (windows.input_ids, windows.attention_mask, windows.labels))
+        # Flat, row-major target positions; padding rows come last, so they index the padded batch too.
+        positions = np.flatnonzero(windows.weights[rows] > 0)
         count = len(positions)
         padded = np.zeros(scored_count(ids.size, count), np.int32)
         padded[:count] = positions
         nll, correct = scorer(ids, mask, padded, labels.reshape(-1)[padded])
         nll, correct = nll[:count], correct[:count]
-        docs = corpus.doc_ids[_pad_rows(windows.stream_pos[rows], batch_size).reshape(-1)[positions]]
+        docs = corpus.doc_ids[windows.stream_pos[rows].reshape(-1)[positions]]
         buckets = positions % seq_len // bucket_width
         np.add.at(sums.loss_doc, docs, nll)
         np.add.at(sums.correct_doc, docs, correct)

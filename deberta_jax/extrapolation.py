@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from absl import logging
@@ -175,13 +175,21 @@ def add_relative_change(records: list[dict]) -> list[dict]:
     return records + extra
 
 
-def tokenizer_groups(models: Sequence[EvalModel]) -> list[list[str]]:
-    """Labels of the models grouped by tokenizer. Targets are token positions of each tokenizer's
-    stream, so only models in one group are scored on the same targets (paired comparisons)."""
+def tokenizer_groups(labelled: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """Labels grouped by tokenizer, from `(label, tokenizer JSON)` pairs. Targets are token positions
+    of each tokenizer's stream, so only models in one group are scored on the same targets."""
     groups: dict[str, list[str]] = {}
-    for em in models:
-        groups.setdefault(em.tokenizer.to_str(), []).append(f"{em.label} (seed {em.seed})")
+    for label, tokenizer_json in labelled:
+        groups.setdefault(tokenizer_json, []).append(label)
     return list(groups.values())
+
+
+def warn_if_unpaired(labelled: Iterable[tuple[str, str]]) -> None:
+    """Log a warning when `(label, tokenizer JSON)` pairs name more than one tokenizer."""
+    groups = tokenizer_groups(labelled)
+    if len(groups) > 1:
+        logging.warning("models use %d different tokenizers, so their targets differ and comparisons between "
+                        "these groups are not paired: %s", len(groups), "; ".join(", ".join(g) for g in groups))
 
 
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
@@ -193,10 +201,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     """
     records, skipped = [], []
     corpora = {} if corpora is None else corpora
-    groups = tokenizer_groups(models)
-    if len(groups) > 1:
-        logging.warning("models use %d different tokenizers, so their targets differ and comparisons between "
-                        "these groups are not paired: %s", len(groups), "; ".join(", ".join(g) for g in groups))
+    warn_if_unpaired((f"{em.label} (seed {em.seed})", em.tokenizer.to_str()) for em in models)
     for em in models:
         lengths = settings.lengths_for(em.train_len)
         bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)

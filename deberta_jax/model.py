@@ -183,6 +183,12 @@ class MaskedLM(nnx.Module):
         logits = jnp.einsum("bnh,vh->bnv", x.astype(self.cfg.dtype), words, preferred_element_type=jnp.float32)
         return logits + self.head_bias[...]
 
+    def head_at(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
+        """Logits `[K, vocab]` at the flat positions `positions` `[K]` of `hidden` `[B, N, hidden]`:
+        training and evaluation score only the masked positions, skipping most of the vocabulary
+        projection, the largest matmul of a small model."""
+        return self.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
+
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None,
                  absolute_position_policy: str | None = None) -> jax.Array:
         """MLM logits `[B, N, vocab]`; dropout only when `rngs` is given."""

@@ -73,7 +73,7 @@ def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rn
     hidden = model.encode(batch["input_ids"], batch["attention_mask"], rngs=rngs)
     weights = jnp.asarray(batch["weights"]).reshape(-1)
     _, positions = jax.lax.top_k(weights, budget)
-    logits = model.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
+    logits = model.head_at(hidden, positions)
     labels, kept = jnp.asarray(batch["labels"]).reshape(-1)[positions], weights[positions]
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)

@@ -118,7 +118,8 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
 def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
     other = train_tokenizer(docs, 300)
     models = [extrapolation.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
-    assert extrapolation.tokenizer_groups(models) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
+    labelled = [(f"{m.label} (seed {m.seed})", m.tokenizer.to_str()) for m in models]
+    assert extrapolation.tokenizer_groups(labelled) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
 
 
 def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
