@@ -15,7 +15,6 @@ the number of relative-table rows this sequence length can reach (see `PositionC
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -173,6 +172,21 @@ def attention_scores(shared: dict, keys: dict, key_positions, *, key_len: int,
     return disentangled_scores(q, keys["k"], terms, (c2p is not None) + (p2c is not None))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreFunction:
+    """`attention_scores` for one layer's key length and variant, as the kernels call it.
+
+    A plain callable for the dense and blockwise kernels; the fused Pallas kernel scores tiles itself
+    and reads the variant from `rel_index` (disentangled when set) and the tensors it is given.
+    """
+
+    key_len: int
+    rel_index: np.ndarray | None = None
+
+    def __call__(self, shared: dict, keys: dict, key_positions) -> jax.Array:
+        return attention_scores(shared, keys, key_positions, key_len=self.key_len, rel_index=self.rel_index)
+
+
 class SelfAttention(nnx.Module):
     """Multi-head self-attention of any variant, with the projections named as in DeBERTa."""
 
@@ -226,7 +240,7 @@ class SelfAttention(nnx.Module):
                 keys["k"] = positions.apply_rope(k, ids, cfg.rope_theta)
             if ctx.bias is not None:
                 shared["bias"] = ctx.bias
-        score_fn = functools.partial(attention_scores, key_len=k.shape[-2], rel_index=rel_index)
+        score_fn = ScoreFunction(key_len=k.shape[-2], rel_index=rel_index)
         dropout_key = rngs.dropout() if rngs is not None and cfg.attention_dropout > 0 else None
         kernel = kernels.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
         return merge_heads(kernel(score_fn, shared, keys, v, key_mask,

@@ -39,6 +39,8 @@ from deberta_jax.config import ATTENTION_KERNELS
 NEG_INF = float(np.finfo(np.float32).min)
 
 ScoreFn = Callable[[Any, Any, Any], jax.Array]
+# A fused forward pass: (score_fn, n_k, shared, key_blocks, value_blocks, mask_blocks) -> (out, lse).
+Forward = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...], rate: float) -> jax.Array:
@@ -63,11 +65,14 @@ def dense_attention(score_fn: ScoreFn, shared, keys, v: jax.Array, key_mask: jax
 
 
 def blockwise_attention(score_fn: ScoreFn, shared, keys, v: jax.Array, key_mask: jax.Array, *, block_size: int,
-                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None) -> jax.Array:
+                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+                        forward: Forward | None = None) -> jax.Array:
     """The result of `dense_attention` (up to float rounding and dropout bits) in memory linear in `Nk`.
 
     Keys are padded to a multiple of `block_size` (padding keys score `-inf`, so they weigh nothing
     even in a row whose real keys are all masked, where both kernels average every key uniformly).
+    `forward` replaces the `lax.scan` forward pass (without dropout) by a fused one that returns the
+    same `(out, lse)` (`pallas_attention.fused_forward`); the backward pass is this kernel's either way.
     """
     n_k = v.shape[-2]
     size = min(block_size, n_k)
@@ -80,8 +85,8 @@ def blockwise_attention(score_fn: ScoreFn, shared, keys, v: jax.Array, key_mask:
 
     mask_blocks = jnp.pad(key_mask, [(0, 0), (0, pad)]).reshape(-1, num_blocks, size).swapaxes(0, 1)
     rate = float(dropout_rate) if dropout_key is not None else 0.0
-    return _online_softmax(score_fn, n_k, rate, shared, jax.tree.map(blocks, keys), blocks(v), mask_blocks,
-                           dropout_key)
+    return _online_softmax(score_fn, n_k, rate, forward, shared, jax.tree.map(blocks, keys), blocks(v),
+                           mask_blocks, dropout_key)
 
 
 def _block_scores(score_fn: ScoreFn, n_k: int, shared, key_block, mask_block, block) -> jax.Array:
@@ -94,12 +99,22 @@ def _block_scores(score_fn: ScoreFn, n_k: int, shared, key_block, mask_block, bl
     return jnp.where(positions < n_k, scores, -jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _online_softmax(score_fn, n_k, rate, shared, key_blocks, value_blocks, mask_blocks, dropout_key):
-    return _online_softmax_fwd(score_fn, n_k, rate, shared, key_blocks, value_blocks, mask_blocks, dropout_key)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _online_softmax(score_fn, n_k, rate, forward, shared, key_blocks, value_blocks, mask_blocks, dropout_key):
+    return _online_softmax_fwd(score_fn, n_k, rate, forward, shared, key_blocks, value_blocks, mask_blocks,
+                               dropout_key)[0]
 
 
-def _online_softmax_fwd(score_fn, n_k, rate, shared, key_blocks, value_blocks, mask_blocks, dropout_key):
+def _online_softmax_fwd(score_fn, n_k, rate, forward, shared, key_blocks, value_blocks, mask_blocks, dropout_key):
+    """The output, with what the backward pass needs: the inputs, the output and each row's log-sum-exp."""
+    if forward is None:
+        out, lse = _scan_forward(score_fn, n_k, rate, shared, key_blocks, value_blocks, mask_blocks, dropout_key)
+    else:
+        out, lse = forward(score_fn, n_k, shared, key_blocks, value_blocks, mask_blocks)
+    return out, (shared, key_blocks, value_blocks, mask_blocks, dropout_key, out, lse)
+
+
+def _scan_forward(score_fn, n_k, rate, shared, key_blocks, value_blocks, mask_blocks, dropout_key):
     """Scan over key blocks keeping the running row maximum `m`, normalizer `l` and weighted sum."""
     num_blocks, _, _, size, d = value_blocks.shape
     first_block = jax.tree.map(lambda x: x[0], key_blocks)
@@ -121,12 +136,10 @@ def _online_softmax_fwd(score_fn, n_k, rate, shared, key_blocks, value_blocks, m
 
     init = (jnp.full((b, h, n_q), -jnp.inf), jnp.zeros((b, h, n_q)), jnp.zeros((b, h, n_q, d)))
     (m, l, acc), _ = jax.lax.scan(body, init, (jnp.arange(num_blocks), key_blocks, value_blocks, mask_blocks))
-    out = (acc / l[..., None]).astype(value_blocks.dtype)
-    residuals = (shared, key_blocks, value_blocks, mask_blocks, dropout_key, out, m + jnp.log(l))
-    return out, residuals
+    return (acc / l[..., None]).astype(value_blocks.dtype), m + jnp.log(l)
 
 
-def _online_softmax_bwd(score_fn, n_k, rate, residuals, d_out):
+def _online_softmax_bwd(score_fn, n_k, rate, forward, residuals, d_out):
     """FlashAttention's backward pass: per block, recompute the probabilities `exp(s - lse)` and pull
     the score gradient `p * (dp - rowsum(d_out * out))` back through the score function's own VJP."""
     shared, key_blocks, value_blocks, mask_blocks, dropout_key, out, lse = residuals
@@ -163,4 +176,8 @@ def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
         return dense_attention
     if name == "blockwise":
         return functools.partial(blockwise_attention, block_size=block_size)
+    if name == "pallas":
+        # Imported on demand: only this kernel needs Pallas and its Triton lowering.
+        from deberta_jax.pallas_attention import pallas_attention
+        return functools.partial(pallas_attention, block_size=block_size)
     raise ValueError(f"unknown attention kernel {name!r}; choose one of {ATTENTION_KERNELS}")

@@ -1,9 +1,9 @@
-"""Attention kernels: the blockwise kernel equals the dense one (outputs and gradients, every variant,
-padding, lengths that are not a multiple of the block), draws dropout consistently in both passes,
-and needs memory linear in length."""
+"""Attention kernels: the blockwise kernel and the fused Pallas one (interpret mode on CPU) equal the
+dense one (outputs and gradients, every variant, padding, lengths that are not a multiple of the
+block), blockwise draws dropout consistently in both passes and needs memory linear in length, and the
+Pallas kernel lowers to Triton for a GPU."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from deberta_jax import kernels, positions
-from deberta_jax.attention import attention_scores, banded_relative_terms, relative_terms
+from deberta_jax.attention import ScoreFunction, banded_relative_terms, relative_terms
 from deberta_jax.config import ConfigError, ModelConfig
 from deberta_jax.model import MaskedLM
+from deberta_jax.pallas_attention import pallas_attention
 
 B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
 
@@ -36,8 +37,7 @@ def variant_inputs(variant, seed=0):
         shared["bias"] = positions.t5_bias(normal(8, H), N, N, 20)
     key_mask = np.ones((B, N), np.int32)
     key_mask[1, 29:] = 0
-    score_fn = functools.partial(attention_scores, key_len=N, rel_index=rel_index)
-    return score_fn, shared, keys, normal(B, H, N, D), jnp.asarray(key_mask)
+    return ScoreFunction(key_len=N, rel_index=rel_index), shared, keys, normal(B, H, N, D), jnp.asarray(key_mask)
 
 
 def outputs_and_grads(kernel, score_fn, shared, keys, v, key_mask, **kw):
@@ -56,14 +56,20 @@ def assert_trees_close(a, b, atol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"])
-@pytest.mark.parametrize("block_size", [8, 64])  # 37 keys = 4 blocks of 8 + 5; one block larger than N
-def test_blockwise_equals_dense_outputs_and_gradients(variant, block_size):
+VARIANTS = ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kernel,block_size", [
+    ("blockwise", 8), ("blockwise", 64),  # 37 keys = 4 blocks of 8 + 5; one block larger than N
+    ("pallas", 8),  # one 64 x 64 tile, 27 of it padding; backward in blocks of 8
+])
+def test_kernel_equals_dense_outputs_and_gradients(variant, kernel, block_size):
     inputs = variant_inputs(variant)
     dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
-    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, *inputs, block_size=block_size)
-    np.testing.assert_allclose(block_out, dense_out, atol=1e-5, rtol=1e-5)
-    assert_trees_close(block_grads, dense_grads, atol=1e-5)
+    out, grads = outputs_and_grads(kernels.attention_kernel(kernel, block_size), *inputs)
+    np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(grads, dense_grads, atol=1e-5)
 
 
 @pytest.mark.parametrize("clamp", [True, False])
@@ -81,20 +87,22 @@ def test_banded_relative_terms_equal_the_full_gather(clamp, start):
     np.testing.assert_allclose(banded, full, atol=1e-6)
 
 
-def test_blockwise_equals_dense_far_past_the_relative_table():
-    # Long sequence, short table: blocks use the banded gather; outputs and gradients still match.
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
+def test_kernel_equals_dense_far_past_the_relative_table(kernel):
+    # Long sequence, short table: blockwise blocks use the banded gather, Pallas runs 3 x 3 tiles of
+    # 64 (the last ones ragged); outputs and gradients still match.
     n = 150
     rng = np.random.default_rng(2)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     rel_index = positions.relative_index_by_distance(n, n, position_buckets=8, max_relative_positions=16)
-    score_fn = functools.partial(attention_scores, key_len=n, rel_index=rel_index - rel_index.min())
+    score_fn = ScoreFunction(key_len=n, rel_index=rel_index - rel_index.min())
     shared, keys = dict(q=normal(1, 2, n, D), c2p=normal(1, 2, n, 15)), dict(k=normal(1, 2, n, D), p2c=normal(1, 2, n, 15))
     key_mask = jnp.asarray((np.arange(n) < 141)[None].astype(np.int32))
     inputs = (score_fn, shared, keys, normal(1, 2, n, D), key_mask)
     dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
-    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, *inputs, block_size=16)
-    np.testing.assert_allclose(block_out, dense_out, atol=1e-5, rtol=1e-5)
-    assert_trees_close(block_grads, dense_grads, atol=1e-5)
+    out, grads = outputs_and_grads(kernels.attention_kernel(kernel, 16), *inputs)
+    np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(grads, dense_grads, atol=1e-5)
 
 
 def test_blockwise_bfloat16_is_close_to_dense():
@@ -132,12 +140,13 @@ def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
                                                   key_mask, block_size=size)[0], atol=1e-3)
 
 
-def test_fully_padded_row_matches_dense():
-    # A row with no real key at all: both kernels average every real-length key uniformly.
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
+def test_fully_padded_row_matches_dense(kernel):
+    # A row with no real key at all: every kernel averages every real-length key uniformly.
     score_fn, shared, keys, v, _ = variant_inputs("entangled")
     key_mask = jnp.zeros((B, N), jnp.int32)
     dense = kernels.dense_attention(score_fn, shared, keys, v, key_mask)
-    np.testing.assert_allclose(kernels.blockwise_attention(score_fn, shared, keys, v, key_mask, block_size=8),
+    np.testing.assert_allclose(kernels.attention_kernel(kernel, 8)(score_fn, shared, keys, v, key_mask),
                                dense, atol=1e-5)
 
 
@@ -150,10 +159,11 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_model_with_blockwise_kernel_equals_dense(name):
+def test_model_with_other_kernels_equals_dense(name, kernel):
     dense_cfg = ModelConfig(**MODELS[name])
-    block_cfg = dataclasses.replace(dense_cfg, attention_kernel="blockwise", attention_block_size=8)
+    block_cfg = dataclasses.replace(dense_cfg, attention_kernel=kernel, attention_block_size=8)
     graphdef, params = nnx.split(MaskedLM(dense_cfg, rngs=nnx.Rngs(0)))
     block_graphdef = nnx.graphdef(MaskedLM(block_cfg, rngs=nnx.Rngs(0)))
     ids = np.random.default_rng(0).integers(0, 64, (2, 29)).astype(np.int32)
@@ -173,7 +183,7 @@ def test_model_with_blockwise_kernel_equals_dense(name):
 def compiled_temp_bytes(kernel, n, **kw):
     """XLA's scratch memory for the forward and backward pass of one disentangled attention call."""
     rel_index = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
-    score_fn = functools.partial(attention_scores, key_len=n, rel_index=rel_index)
+    score_fn = ScoreFunction(key_len=n, rel_index=rel_index)
     shapes = [dict(q=(1, 2, n, 16), c2p=(1, 2, n, 64)), dict(k=(1, 2, n, 16), p2c=(1, 2, n, 64)), (1, 2, n, 16)]
 
     def loss(shared, keys, v):
@@ -190,7 +200,40 @@ def test_blockwise_memory_is_linear_in_length():
     assert blockwise[1] < 2.5 * blockwise[0]  # twice the length, about twice the memory
 
 
+@pytest.mark.parametrize("variant", ["entangled", "disentangled", "t5_bias"])
+def test_pallas_kernel_lowers_to_triton_for_a_gpu(variant):
+    # No GPU here: lowering for CUDA runs Pallas' Triton lowering of the kernel body (every op it uses
+    # must have a Triton rule, gather loads included) without compiling it. Head size 64 and a real
+    # length, as a GPU would run them; the backward pass is plain XLA.
+    rng = np.random.default_rng(0)
+    n, d = 200, 64
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    shared, keys, rel_index = {"q": normal(B, H, n, d)}, {"k": normal(B, H, n, d)}, None
+    if variant == "disentangled":
+        shared["c2p"], keys["p2c"] = normal(B, H, n, R), normal(B, H, n, R)
+        rel_index = positions.relative_index_by_distance(n, n, position_buckets=R // 2, max_relative_positions=16)
+    elif variant == "t5_bias":
+        shared["bias"] = positions.t5_bias(normal(8, H), n, n, 20)
+
+    def loss(shared, keys, v, mask):
+        return pallas_attention(ScoreFunction(key_len=n, rel_index=rel_index), shared, keys, v, mask,
+                                block_size=128, interpret=False).sum()
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
+        shared, keys, normal(B, H, n, d), jnp.ones((B, n), jnp.int32))
+    assert exported.mlir_module().count(f"@{triton}(") == 1  # the forward kernel, once
+
+
+def test_pallas_kernel_refuses_attention_dropout():
+    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
+    with pytest.raises(ValueError, match="attention_dropout=0"):
+        pallas_attention(score_fn, shared, keys, v, key_mask, block_size=8, dropout_rate=0.1,
+                         dropout_key=jax.random.key(0))
+
+
 def test_kernel_is_validated_by_name():
+    ModelConfig(attention_kernel="pallas")
     with pytest.raises(ConfigError, match="attention_kernel.*dense"):
         ModelConfig(attention_kernel="flash")
     with pytest.raises(ConfigError, match="attention_block_size"):
