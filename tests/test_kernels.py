@@ -206,7 +206,7 @@ def test_pallas_kernel_lowers_to_triton_for_a_gpu(variant):
     # must have a Triton rule, gather loads included) without compiling it. Head size 64 and a real
     # length, as a GPU would run them; the backward pass is plain XLA.
     rng = np.random.default_rng(0)
-    n, d = 200, 64
+    n, d = 150, 64
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     shared, keys, rel_index = {"q": normal(B, H, n, d)}, {"k": normal(B, H, n, d)}, None
     if variant == "disentangled":
