@@ -14,7 +14,8 @@ operation they came from. The categories follow what a fusion contains, in this 
   - `copy/transpose`: layout changes;
   - `reduction`, `elementwise`: the rest.
 Profiling adds a few percent to every op; compare categories and models within one run, and take
-step times from `train_step.py`. On CPU the trace has one event per executed instruction; on GPU
+step times from `train_step.py`. An instruction split into parallel tasks counts the wall time
+during which any of its tasks ran; independent instructions may still overlap on two cores. On CPU the trace has one event per executed instruction; on GPU
 the device events carry the same names, but this script reads the host-side events only.
 """
 
@@ -95,11 +96,20 @@ def profile(run, compiled, steps: int) -> tuple[dict[str, float], dict[str, dict
         with gzip.open(trace) as f:
             events = json.load(f)["traceEvents"]
     known = instructions(compiled.as_text())
-    totals = collections.Counter()
+    intervals = collections.defaultdict(list)
     for event in events:
         if event.get("ph") == "X" and event.get("name") in known:
-            totals[event["name"]] += event["dur"] / 1e3 / steps
-    return dict(totals), known
+            intervals[event["name"]].append((event["ts"], event["ts"] + event["dur"]))
+    # An instruction split into parallel tasks leaves one event per task and thread: count the wall
+    # time during which any of them ran, not their sum.
+    totals = {}
+    for name, spans in intervals.items():
+        covered, end = 0.0, float("-inf")
+        for start, stop in sorted(spans):
+            covered += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        totals[name] = covered / 1e3 / steps
+    return totals, known
 
 
 def main(argv=None) -> None:
