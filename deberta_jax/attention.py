@@ -92,9 +92,17 @@ def relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, index) -> jax.A
     `c2p` `[B, H, Nq', R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk', R]` (`k_j . Qr[r]`) are the products
     with the R reachable table rows, or None when the term is off; `index` holds `idx_ij = bucket(i - j)
     + k` for these queries and keys (see `positions.relative_index_by_distance`). Both terms are
-    gathered with `take_along_axis`: `[N, N, d]` relative embeddings are never built.
+    gathered with `take_along_axis`: `[N, N, d]` relative embeddings are never built. A static (numpy)
+    index gets the hand-written gradient of `_relative_terms_static`.
     """
-    index = jnp.asarray(index)
+    if c2p is None and p2c is None:
+        return 0.0
+    if isinstance(index, np.ndarray):
+        return _relative_terms_static(c2p, p2c, index)
+    return _gather_terms(c2p, p2c, jnp.asarray(index))
+
+
+def _gather_terms(c2p, p2c, index: jax.Array) -> jax.Array | float:
     terms = 0.0
     if c2p is not None:
         terms = terms + jnp.take_along_axis(c2p, index[None, None], axis=-1)
@@ -102,6 +110,41 @@ def relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, index) -> jax.A
         # The term for (i, j) reads row idx_ij of key j's vector: gather [b, h, j, i], then transpose.
         terms = terms + jnp.swapaxes(jnp.take_along_axis(p2c, index.T[None, None], axis=-1), -1, -2)
     return terms
+
+
+def _relative_terms_static(c2p, p2c, index: np.ndarray) -> jax.Array:
+    """`_gather_terms` with a gradient that lays the cotangent out once for both terms.
+
+    The gradient of a gather is a scatter-add. Differentiated automatically, each term's scatter puts
+    the (b, h) axes innermost with its own transpose of the `[B, H, Nq, Nk]` cotangent, and p2c's
+    (transposed) one is a 3-D permutation that XLA's CPU backend runs slowly. Here one `[Nq, Nk, B, H]`
+    transpose feeds both scatter-adds (rows i for c2p, j for p2c), whose `[B, H]` windows are then
+    contiguous. Measured in benchmarks/README.md.
+    """
+    n_q, n_k = index.shape
+    query_rows = np.broadcast_to(np.arange(n_q)[:, None], index.shape)
+    key_rows = np.broadcast_to(np.arange(n_k)[None, :], index.shape)
+    tables = {name: x for name, x in (("c2p", c2p), ("p2c", p2c)) if x is not None}
+
+    @jax.custom_vjp
+    def terms(tables):
+        return _gather_terms(tables.get("c2p"), tables.get("p2c"), jnp.asarray(index))
+
+    def forward(tables):
+        return terms(tables), None
+
+    def backward(_, cotangent):
+        laid_out = jnp.transpose(cotangent, (2, 3, 0, 1))  # [Nq, Nk, B, H]
+        rows = {"c2p": query_rows, "p2c": key_rows}
+        grads = {}
+        for name, table in tables.items():
+            b, h, n, r = table.shape
+            grad = jnp.zeros((n, r, b, h), cotangent.dtype).at[rows[name], index].add(laid_out)
+            grads[name] = jnp.transpose(grad, (2, 3, 0, 1)).astype(table.dtype)
+        return (grads,)
+
+    terms.defvjp(forward, backward)
+    return terms(tables)
 
 
 def banded_relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, rel_index: np.ndarray,
