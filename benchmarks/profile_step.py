@@ -15,8 +15,9 @@ operation they came from. The categories follow what a fusion contains, in this 
   - `reduction`, `elementwise`: the rest.
 Profiling adds a few percent to every op; compare categories and models within one run, and take
 step times from `train_step.py`. An instruction split into parallel tasks counts the wall time
-during which any of its tasks ran; independent instructions may still overlap on two cores. On CPU the trace has one event per executed instruction; on GPU
-the device events carry the same names, but this script reads the host-side events only.
+during which any of its tasks ran; independent instructions may still overlap on two cores. On CPU
+the trace has one event per executed instruction; on GPU the device events carry the same names,
+but this script reads the host-side events only.
 """
 
 from __future__ import annotations

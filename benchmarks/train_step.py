@@ -197,7 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", default="128", help="comma-separated sequence lengths")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mode", choices=("train", "eval"), default="train")
-    parser.add_argument("--kernel", default="dense", help="comma-separated: dense, blockwise, pallas (GPU; interpret mode elsewhere)")
+    parser.add_argument("--kernel", default="dense",
+                        help="comma-separated: dense, blockwise, pallas (GPU; interpret mode elsewhere)")
     parser.add_argument("--block-size", type=int, default=512, help="keys per block of the blockwise kernel")
     parser.add_argument("--trained-length", type=int, default=None,
                         help="length the model is configured as trained at (DeBERTa's relative table, BERT's "

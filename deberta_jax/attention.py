@@ -113,7 +113,7 @@ def _gather_terms(c2p, p2c, index: jax.Array) -> jax.Array | float:
 
 
 def _relative_terms_static(c2p, p2c, index: np.ndarray) -> jax.Array:
-    """`_gather_terms` with a gradient that lays the cotangent out once for both terms.
+    """`_gather_terms` with a faster p2c gather and a gradient that lays the cotangent out once for both terms.
 
     The gradient of a gather is a scatter-add. Differentiated automatically, each term's scatter puts
     the (b, h) axes innermost with its own transpose of the `[B, H, Nq, Nk]` cotangent, and p2c's
@@ -128,7 +128,15 @@ def _relative_terms_static(c2p, p2c, index: np.ndarray) -> jax.Array:
 
     @jax.custom_vjp
     def terms(tables):
-        return _gather_terms(tables.get("c2p"), tables.get("p2c"), jnp.asarray(index))
+        # p2c is gathered from its [B, H, R, Nk] transpose, straight into [i, j] order: half the time
+        # of gathering [j, i] and transposing, but a slow gradient under autodiff (`_gather_terms`).
+        rows = jnp.asarray(index)[None, None]
+        out = 0.0
+        if "c2p" in tables:
+            out = out + jnp.take_along_axis(tables["c2p"], rows, axis=-1)
+        if "p2c" in tables:
+            out = out + jnp.take_along_axis(jnp.swapaxes(tables["p2c"], -1, -2), rows, axis=-2)
+        return out
 
     def forward(tables):
         return terms(tables), None

@@ -21,9 +21,10 @@ at real tokens do not depend on padding) and compute the softmax in float32.
 fused into one Pallas/Triton GPU kernel (the `forward` hook of `blockwise_attention`); it is the one
 kernel that reads the variant (`attention.ScoreFunction`) instead of calling the score function.
 
-Attention-probability dropout works in the dense and blockwise kernels (`deberta_jax.dropout` masks). The dense kernel draws
-one mask of the probabilities' shape; the blockwise one draws block `b`'s mask from `fold_in(key, b)`
-(`dropout_keep`) and draws it again in the backward pass, so the two kernels drop different (equally
+Attention-probability dropout works in the dense and blockwise kernels (`deberta_jax.dropout`
+masks). The dense kernel draws one mask of the probabilities' shape; the blockwise one draws block
+`b`'s mask from `fold_in(key, b)` (`dropout_keep`) and draws it again in the backward pass, so the
+two kernels drop different (equally
 distributed) entries.
 """
 
