@@ -24,8 +24,7 @@ kernel that reads the variant (`attention.ScoreFunction`) instead of calling the
 Attention-probability dropout works in the dense and blockwise kernels (`deberta_jax.dropout`
 masks). The dense kernel draws one mask of the probabilities' shape; the blockwise one draws block
 `b`'s mask from `fold_in(key, b)` (`dropout_keep`) and draws it again in the backward pass, so the
-two kernels drop different (equally
-distributed) entries.
+two kernels drop different (equally distributed) entries.
 """
 
 from __future__ import annotations
