@@ -13,7 +13,7 @@ operation they came from. The categories follow what a fusion contains, in this 
   - `random bits`: threefry rounds (dropout masks);
   - `copy/transpose`: layout changes;
   - `reduction`, `elementwise`: the rest.
-Profiling adds a few percent to every op; compare categories and models within one run, and take
+Profiling adds about 10% to the step; compare categories and models within one run, and take
 step times from `train_step.py`. An instruction split into parallel tasks counts the wall time
 during which any of its tasks ran; independent instructions may still overlap on two cores. On CPU
 the trace has one event per executed instruction; on GPU the device events carry the same names,
