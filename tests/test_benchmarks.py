@@ -50,4 +50,5 @@ def test_profile_step_attributes_the_step_to_categories():
     rows = [re.match(r"^  (\S.*?)\s+([\d.]+) ms\s+[\d.]+%", line) for line in out.splitlines()]
     shares = {row.group(1): float(row.group(2)) for row in rows if row}
     assert {"matmul", "gather", "scatter"} <= set(shares)  # DeBERTa's c2p/p2c gathers and their gradients
-    assert shares["matmul"] > 0 and sum(shares.values()) == pytest.approx(total, rel=0.02)
+    # Every figure is printed to 0.1 ms: the categories add up to the total within their rounding.
+    assert shares["matmul"] > 0 and sum(shares.values()) == pytest.approx(total, abs=0.05 * (len(shares) + 1))
