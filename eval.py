@@ -43,7 +43,8 @@ flags.DEFINE_integer("span", 0, "Fixed-target protocol: span length in tokens (0
 flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples over documents for the 95% intervals.")
 flags.DEFINE_enum("attention_kernel", "dense", list(ATTENTION_KERNELS),
                   "Attention kernel of every model: 'blockwise' keeps memory linear in length (same results to "
-                  "float rounding), for lengths whose dense [B, H, N, N] scores do not fit.")
+                  "float rounding), for lengths whose dense [B, H, N, N] scores do not fit; 'pallas' is blockwise "
+                  "fused into one GPU kernel (interpret mode, slow, without a GPU).")
 flags.DEFINE_integer("attention_block_size", 512, "Keys per block of the blockwise kernel.")
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.mark_flag_as_required("out")
