@@ -130,8 +130,10 @@ def fused_forward(score_fn, n_k: int, shared: dict, key_blocks: dict, value_bloc
     b, h, n_q, d = q.shape
     padded_q = -(-n_q // TILE) * TILE
     padded_k = -(-k.shape[2] // TILE) * TILE
-    q = _pad_axis(q, 2, padded_q)
-    k, v = _pad_axis(k, 2, padded_k), _pad_axis(v, 2, padded_k)
+    # Triton's dot wants power-of-two operands of at least 16: zero features change no dot product.
+    padded_d = max(16, pl.next_power_of_2(d))
+    q = _pad_axis(_pad_axis(q, 3, padded_d), 2, padded_q)
+    k, v = (_pad_axis(_pad_axis(x, 3, padded_d), 2, padded_k) for x in (k, v))
     key_mask = _pad_axis(key_mask.astype(jnp.int32), 1, padded_k)
 
     relative = score_fn.rel_index is not None
@@ -140,7 +142,7 @@ def fused_forward(score_fn, n_k: int, shared: dict, key_blocks: dict, value_bloc
     per_head = lambda block: pl.BlockSpec((None, None) + block, lambda b_, h_, i: (b_, h_, 0, 0))  # noqa: E731
     per_query_tile = lambda last: pl.BlockSpec((None, None, TILE, last), lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
     inputs = [q, k, v, key_mask]
-    specs = [per_query_tile(d), per_head((padded_k, d)), per_head((padded_k, d)),
+    specs = [per_query_tile(padded_d), per_head((padded_k, padded_d)), per_head((padded_k, padded_d)),
              pl.BlockSpec((None, padded_k), lambda b_, h_, i: (b_, 0))]
     if relative:
         rel = _per_distance_for_padding(np.asarray(score_fn.rel_index, np.int32), score_fn.key_len, padded_q, padded_k)
@@ -164,14 +166,14 @@ def fused_forward(score_fn, n_k: int, shared: dict, key_blocks: dict, value_bloc
         kernel,
         grid=(b, h, padded_q // TILE),
         in_specs=specs,
-        out_specs=[per_query_tile(d), pl.BlockSpec((None, None, TILE), lambda b_, h_, i: (b_, h_, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, h, padded_q, d), q.dtype),
+        out_specs=[per_query_tile(padded_d), pl.BlockSpec((None, None, TILE), lambda b_, h_, i: (b_, h_, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, h, padded_q, padded_d), q.dtype),
                    jax.ShapeDtypeStruct((b, h, padded_q), jnp.float32)],
         interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="disentangled_attention_forward" if relative else "attention_forward",
     )(*inputs)
-    return out[:, :, :n_q], lse[:, :, :n_q]
+    return out[:, :, :n_q, :d], lse[:, :, :n_q]
 
 
 def pallas_attention(score_fn, shared, keys, v: jax.Array, key_mask: jax.Array, *, block_size: int,
