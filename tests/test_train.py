@@ -95,12 +95,14 @@ def test_eight_devices_match_one(corpus, straight_run, tmp_path):
                  restore_params(straight_run))
 
 
-def test_load_workdir_with_the_blockwise_kernel_gives_the_same_logits(straight_run):
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
+def test_load_workdir_with_another_kernel_gives_the_same_logits(straight_run, kernel):
+    # A model trained with dense attention (and attention dropout) evaluates with any kernel.
     _, dense, _ = checkpoint.load_workdir(straight_run)
-    _, blockwise, _ = checkpoint.load_workdir(straight_run, attention_kernel="blockwise", attention_block_size=8)
-    assert (dense.cfg.attention_kernel, blockwise.cfg.attention_kernel) == ("dense", "blockwise")
+    _, other, _ = checkpoint.load_workdir(straight_run, attention_kernel=kernel, attention_block_size=8)
+    assert (dense.cfg.attention_kernel, other.cfg.attention_kernel) == ("dense", kernel)
     ids = np.random.default_rng(0).integers(5, 300, (2, 29)).astype(np.int32)
-    np.testing.assert_allclose(blockwise.mlm_logits(ids), dense.mlm_logits(ids), atol=1e-5)
+    np.testing.assert_allclose(other.mlm_logits(ids), dense.mlm_logits(ids), atol=1e-5)
 
 
 def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
