@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -145,7 +146,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     base = dict(settings=dataclasses.asdict(settings), data_files=sweep.eval.data_files.to_dict())
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     extrapolation.warn_if_unpaired(
-        (run["name"], open(os.path.join(run["workdir"], checkpoint.TOKENIZER_FILE)).read()) for run in done)
+        (run["name"], pathlib.Path(run["workdir"], checkpoint.TOKENIZER_FILE).read_text()) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
         print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)

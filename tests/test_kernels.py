@@ -20,24 +20,24 @@ from deberta_jax.pallas_attention import pallas_attention
 B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
 
 
-def variant_inputs(variant, seed=0):
-    """(score_fn, shared, keys, v, key_mask) for one variant; row 1 of the batch ends in padding."""
+def variant_inputs(variant, seed=0, n=N, d=D):
+    """(score_fn, shared, keys, v, key_mask) for one variant at length `n`, head size `d`; row 1 of
+    the batch ends in padding."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    shared, keys, rel_index = {"q": normal(B, H, N, D)}, {"k": normal(B, H, N, D)}, None
-    if variant == "disentangled":
-        shared["c2p"], keys["p2c"] = normal(B, H, N, R), normal(B, H, N, R)
-        rel_index = positions.relative_index_by_distance(N, N, position_buckets=R // 2, max_relative_positions=16)
-    elif variant == "c2p_only":
-        shared["c2p"] = normal(B, H, N, R)
-        rel_index = positions.relative_index_by_distance(N, N, position_buckets=R // 2, max_relative_positions=16)
+    shared, keys, rel_index = {"q": normal(B, H, n, d)}, {"k": normal(B, H, n, d)}, None
+    if variant in ("disentangled", "c2p_only"):
+        shared["c2p"] = normal(B, H, n, R)
+        if variant == "disentangled":
+            keys["p2c"] = normal(B, H, n, R)
+        rel_index = positions.relative_index_by_distance(n, n, position_buckets=R // 2, max_relative_positions=16)
     elif variant == "alibi":
-        shared["bias"] = positions.alibi_bias(N, N, H)
+        shared["bias"] = positions.alibi_bias(n, n, H)
     elif variant == "t5_bias":
-        shared["bias"] = positions.t5_bias(normal(8, H), N, N, 20)
-    key_mask = np.ones((B, N), np.int32)
+        shared["bias"] = positions.t5_bias(normal(8, H), n, n, 20)
+    key_mask = np.ones((B, n), np.int32)
     key_mask[1, 29:] = 0
-    return ScoreFunction(key_len=N, rel_index=rel_index), shared, keys, normal(B, H, N, D), jnp.asarray(key_mask)
+    return ScoreFunction(key_len=n, rel_index=rel_index), shared, keys, normal(B, H, n, d), jnp.asarray(key_mask)
 
 
 def outputs_and_grads(kernel, score_fn, shared, keys, v, key_mask, **kw):
@@ -226,23 +226,14 @@ def test_pallas_kernel_lowers_to_triton_for_a_gpu(variant, d):
     # No GPU here: lowering for CUDA runs Pallas' Triton lowering of the kernel body (every op it uses
     # must have a Triton rule, gather loads included; every array a power of two, hence the padded
     # head of 48) without compiling it. The backward pass is plain XLA.
-    rng = np.random.default_rng(0)
-    n = 150
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    shared, keys, rel_index = {"q": normal(B, H, n, d)}, {"k": normal(B, H, n, d)}, None
-    if variant == "disentangled":
-        shared["c2p"], keys["p2c"] = normal(B, H, n, R), normal(B, H, n, R)
-        rel_index = positions.relative_index_by_distance(n, n, position_buckets=R // 2, max_relative_positions=16)
-    elif variant == "t5_bias":
-        shared["bias"] = positions.t5_bias(normal(8, H), n, n, 20)
+    score_fn, shared, keys, v, key_mask = variant_inputs(variant, n=150, d=d)
 
     def loss(shared, keys, v, mask):
-        return pallas_attention(ScoreFunction(key_len=n, rel_index=rel_index), shared, keys, v, mask,
-                                block_size=128, interpret=False).sum()
+        return pallas_attention(score_fn, shared, keys, v, mask, block_size=128, interpret=False).sum()
     triton = "__gpu$xla.gpu.triton"
     exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
                                  disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
-        shared, keys, normal(B, H, n, d), jnp.ones((B, n), jnp.int32))
+        shared, keys, v, key_mask)
     assert exported.mlir_module().count(f"@{triton}(") == 1  # the forward kernel, once
 
 
