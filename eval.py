@@ -19,9 +19,9 @@ import os
 
 from absl import app, flags
 
-from deberta_jax import extrapolation, report
-from deberta_jax.config import ATTENTION_KERNELS
-from deberta_jax.text import is_hf_spec, load_documents
+from deberta_jax.data.text import is_hf_spec, load_documents
+from deberta_jax.model.config import ATTENTION_KERNELS
+from deberta_jax.study import length_study, report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
@@ -34,7 +34,7 @@ flags.DEFINE_list("multiples", ["1", "2", "4", "8"], "Multiples of the training 
 flags.DEFINE_list("extra", ["16", "64"], "Also evaluate at L + each of these.")
 flags.DEFINE_list("policies", ["untrained", "clip", "interpolate", "strict"],
                   "Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table).")
-flags.DEFINE_list("protocols", list(extrapolation.PROTOCOLS), "chunked and/or fixed_target.")
+flags.DEFINE_list("protocols", list(length_study.PROTOCOLS), "chunked and/or fixed_target.")
 flags.DEFINE_integer("mask_seed", 0, "Seed of the fixed per-position targets (shared by all models).")
 flags.DEFINE_integer("tokens_per_batch", 16384, "Batch size in tokens; rows per batch = this // length.")
 flags.DEFINE_integer("max_eval_tokens", 0, "Use only the first this many tokens of each eval text (0 = all).")
@@ -58,10 +58,10 @@ def dataset_name(spec: str) -> str:
     return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
 
 
-def load_models(workdirs, checkpoints, step, **overrides) -> list[extrapolation.EvalModel]:
+def load_models(workdirs, checkpoints, step, **overrides) -> list[length_study.EvalModel]:
     """Trained workdirs and transformers checkpoints; `overrides` replace ModelConfig fields (the kernel)."""
-    return ([extrapolation.load_workdir_model(w, step, **overrides) for w in workdirs]
-            + [extrapolation.load_hf_checkpoint(c, **overrides) for c in checkpoints])
+    return ([length_study.load_workdir_model(w, step, **overrides) for w in workdirs]
+            + [length_study.load_hf_checkpoint(c, **overrides) for c in checkpoints])
 
 
 def main(argv):
@@ -72,7 +72,7 @@ def main(argv):
         raise app.UsageError("give at least one --data_files, e.g. --data_files ../shared/data/brown/valid.txt")
     step = FLAGS.checkpoint if FLAGS.checkpoint in ("latest", "best") else int(FLAGS.checkpoint)
     step = None if step == "latest" else step
-    settings = extrapolation.StudySettings(
+    settings = length_study.StudySettings(
         multiples=tuple(int(m) for m in FLAGS.multiples), extra=tuple(int(e) for e in FLAGS.extra),
         lengths=tuple(int(n) for n in FLAGS.lengths), policies=tuple(FLAGS.policies),
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
@@ -82,8 +82,8 @@ def main(argv):
     models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, attention_kernel=FLAGS.attention_kernel,
                          attention_block_size=FLAGS.attention_block_size)
     if FLAGS.unigram and FLAGS.workdir:
-        models.append(extrapolation.unigram_reference(models[0]))
-    records, skipped = extrapolation.run_study(models, datasets, settings)
+        models.append(length_study.unigram_reference(models[0]))
+    records, skipped = length_study.run_study(models, datasets, settings)
     _, summary, plots = report.write_report(records, skipped, FLAGS.out)
     print(summary)
     print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),

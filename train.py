@@ -31,9 +31,10 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
-from deberta_jax import checkpoint, data, input_pipeline, metrics_io, optim, run_config, sharding, train_lib
-from deberta_jax import tokenizer as tokenizer_lib
-from deberta_jax.text import load_documents
+from deberta_jax.data import batches, packing
+from deberta_jax.data import tokenizer as tokenizer_lib
+from deberta_jax.data.text import load_documents
+from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics; resumed if it has any.")
@@ -64,10 +65,10 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
 
 def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
     """Refuses to continue a workdir's checkpoints with another model; logs every other change."""
-    changes = run_config.differences(checkpoint.read_config(workdir), run)
+    changes = validation.differences(checkpoint.read_config(workdir), run)
     model_changes = {k: v for k, v in changes.items() if k.startswith("model.")}
     if model_changes:
-        raise run_config.ConfigError(
+        raise validation.ConfigError(
             f"{workdir} holds checkpoints of another model; changed: "
             + ", ".join(f"config.{k} {a!r} -> {b!r}" for k, (a, b) in model_changes.items())
             + ". Use a new --workdir, or the saved config.json's model values.")
@@ -78,7 +79,7 @@ def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
 
 def check_steps(pending: list[tuple[int, dict]], last_good: str) -> None:
     """Stops the run at the first step whose loss, gradient norm or parameter norm is not finite, or
-    whose masked tokens overflowed the MLM head's static budget (`train_lib.prediction_budget`)."""
+    whose masked tokens overflowed the MLM head's static budget (`steps.prediction_budget`)."""
     for step, metrics in pending:
         values = {name: float(metrics[name]) for name in FINITE_METRICS}
         if not all(np.isfinite(v) for v in values.values()):
@@ -88,7 +89,7 @@ def check_steps(pending: list[tuple[int, dict]], last_good: str) -> None:
         if int(metrics["dropped"]):
             raise RuntimeError(
                 f"step {step} masked {int(metrics['dropped'])} tokens more than the MLM head scores "
-                f"(train_lib.prediction_budget, mean + 8 sigma); stopped without saving; {last_good}. "
+                f"(deberta_jax.train.steps.prediction_budget, mean + 8 sigma); stopped without saving; {last_good}. "
                 "The masking rate no longer matches config.data.mask_prob: check deberta_jax.masking.")
 
 
@@ -109,7 +110,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
-    model_config = run_config.validate(config, num_devices=jax.device_count())
+    model_config = validation.validate(config, num_devices=jax.device_count())
     mesh = sharding.make_mesh(config.mesh.fsdp)
     train_cfg, seq_len = config.train, config.data.seq_len
     if train_cfg.warmup_steps >= train_cfg.num_steps:
@@ -121,14 +122,14 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     tokenizer = prepare_tokenizer(config, workdir)
     vocab_size = tokenizer.get_vocab_size()
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
-    run = run_config.resolved(config, model_config)  # what config.json records
-    masker = input_pipeline.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
+    run = validation.resolved(config, model_config)  # what config.json records
+    masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                                    config.data.mask_prob, config.data.whole_word_masking)
-    train_data = data.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
+    train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
     evals = []
     if config.data.eval_files:
-        eval_data = data.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
-        evals = input_pipeline.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
+        eval_data = packing.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
+        evals = batches.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
                                             max_batches=train_cfg.eval_batches,
                                             process_index=jax.process_index(), process_count=jax.process_count())
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
@@ -137,8 +138,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     schedule = optim.learning_rate_schedule(train_cfg.learning_rate, train_cfg.warmup_steps,
                                             train_cfg.num_steps, train_cfg.schedule)
     optimizer = optim.make_optimizer(train_cfg, schedule)
-    graphdef = train_lib.model_graphdef(model_config)
-    init_fn = train_lib.make_init_fn(model_config, optimizer, config.seed)
+    graphdef = steps.model_graphdef(model_config)
+    init_fn = steps.make_init_fn(model_config, optimizer, config.seed)
 
     # ------------------------------------------------------------------ state & sharding
     abstract_state = jax.eval_shape(init_fn)
@@ -150,11 +151,11 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
 
     # ------------------------------------------------------------------ step
     train_step = jax.jit(
-        train_lib.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
+        steps.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
                                   grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob),
         in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
         donate_argnums=0)
-    eval_step = jax.jit(train_lib.make_eval_step(graphdef, mask_prob=config.data.mask_prob), in_shardings=(state_sharding.params, batch_sharding),
+    eval_step = jax.jit(steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob), in_shardings=(state_sharding.params, batch_sharding),
                         out_shardings=replicated)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
@@ -183,7 +184,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
         totals = jax.device_get(totals)
         if int(totals["dropped"]):
             raise RuntimeError(f"evaluation masked {int(totals['dropped'])} tokens more than the MLM head scores "
-                               "(train_lib.prediction_budget); the eval loss would be wrong")
+                               "(deberta_jax.train.steps.prediction_budget); the eval loss would be wrong")
         count = max(float(totals["count"]), 1.0)
         return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
 
@@ -203,7 +204,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
 
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
-            rows = input_pipeline.train_batch(
+            rows = batches.train_batch(
                 train_data, masker, batch_size=train_cfg.batch_size, step=step - 1, seed=config.seed,
                 process_index=jax.process_index(), process_count=jax.process_count())
             state, metrics = train_step(state, sharding.global_batch(rows, batch_sharding))

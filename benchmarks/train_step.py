@@ -7,8 +7,8 @@
 Prints one JSON line per case (every combination of the comma-separated --model, --seq, --kernel):
   - `tokens_per_s`: tokens through the jitted step per second at the fastest timed step (`step_s`;
     the median is `median_step_s`), on a shared machine the least disturbed one. "train" is
-    `train_lib.make_train_step` exactly as `train.py` runs it (forward, backward, AdamW, dropout on);
-    "eval" is `train_lib.make_eval_step` (the forward pass and masked-LM sums evaluation runs);
+    `steps.make_train_step` exactly as `train.py` runs it (forward, backward, AdamW, dropout on);
+    "eval" is `steps.make_eval_step` (the forward pass and masked-LM sums evaluation runs);
   - `memory_mb`: XLA's buffer assignment for the compiled step (arguments + outputs + scratch -
     donated aliases), the step's peak device memory. CPUs report no live allocator statistics, so
     this is a compile-time figure, the same on any machine, and available for shapes too large to run
@@ -20,7 +20,7 @@ Prints one JSON line per case (every combination of the comma-separated --model,
   - with `--compare-transformers`: the same shape, configuration and step (AdamW, dropout on; or
     `no_grad` forward) with transformers' PyTorch `BertForMaskedLM` / `DebertaV2ForMaskedLM`, and
     `speedup_vs_torch`. transformers' head scores every position against the vocabulary; ours scores
-    only the masked ones (`train_lib.prediction_budget`), as the training code does.
+    only the masked ones (`steps.prediction_budget`), as the training code does.
 All cases are compiled first, then run in rounds (each case, and the matmul peak, once per round:
 `--warmup` untimed rounds, then `--steps` timed ones), so that cases compared in one run share the
 machine's load alike; each reports its fastest round. Seconds per case at the tiny size. Timings on a
@@ -44,8 +44,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import bert, deberta  # noqa: E402
-from deberta_jax import optim, positions, train_lib  # noqa: E402
-from deberta_jax.config import ModelConfig  # noqa: E402
+from deberta_jax.model import positions  # noqa: E402
+from deberta_jax.train import optim, steps  # noqa: E402
+from deberta_jax.model.config import ModelConfig  # noqa: E402
 
 FAMILIES = {"bert": bert, "deberta": deberta}
 MASK_PROB = 0.15
@@ -87,7 +88,7 @@ def model_flops_per_token(cfg: ModelConfig, seq: int, batch: int, head_everywher
                                               clamp=cfg.clamp_relative_positions)
         terms = len(cfg.pos_att_type)
         per_layer += terms * 2 * (hi - lo) * h + terms * 2 * (hi - lo) * h * h / (batch * n)
-    budget = batch * n if head_everywhere else train_lib.prediction_budget(batch * n, MASK_PROB)
+    budget = batch * n if head_everywhere else steps.prediction_budget(batch * n, MASK_PROB)
     head = (2 * h * h + 2 * h * cfg.vocab_size) * budget / (batch * n)
     return cfg.num_layers * per_layer + head
 
@@ -126,15 +127,15 @@ def jax_case(cfg: ModelConfig, train_config, mode: str, seq: int, batch: int) ->
     the compiled executable)."""
     schedule = optim.learning_rate_schedule(1e-4, 10, 1000, "linear")
     optimizer = optim.make_optimizer(train_config, schedule)
-    graphdef = train_lib.model_graphdef(cfg)
+    graphdef = steps.model_graphdef(cfg)
     batch_arrays = {k: jnp.asarray(v) for k, v in synthetic_batch(cfg, seq, batch).items()}
-    init = train_lib.make_init_fn(cfg, optimizer, seed=0)
+    init = steps.make_init_fn(cfg, optimizer, seed=0)
     if mode == "train":
-        step = jax.jit(train_lib.make_train_step(graphdef, optimizer, schedule, seed=0, grad_accum_steps=1,
+        step = jax.jit(steps.make_train_step(graphdef, optimizer, schedule, seed=0, grad_accum_steps=1,
                                                  mask_prob=MASK_PROB), donate_argnums=0)
         abstract = jax.eval_shape(init)
     else:
-        step = jax.jit(train_lib.make_eval_step(graphdef, mask_prob=MASK_PROB))
+        step = jax.jit(steps.make_eval_step(graphdef, mask_prob=MASK_PROB))
         abstract = jax.eval_shape(init).params
     start = time.perf_counter()
     compiled = step.lower(abstract, batch_arrays).compile()

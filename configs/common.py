@@ -15,7 +15,7 @@ import dataclasses
 
 from ml_collections import config_dict
 
-from deberta_jax.config import ModelConfig
+from deberta_jax.model.config import ModelConfig
 
 WIKITEXT_103 = "hf:wikitext:wikitext-103-raw-v1"
 

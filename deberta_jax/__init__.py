@@ -1,1 +1,12 @@
-"""deberta-jax: entangled (BERT) vs disentangled (DeBERTa) attention in JAX/Flax NNX."""
+"""deberta-jax: entangled (BERT) vs disentangled (DeBERTa) attention in JAX/Flax NNX.
+
+Subpackages follow the import layers, each importing only from the ones before it:
+
+    data     corpora, tokenizer, packing, masking, batches, evaluation targets   (numpy; no deberta_jax imports)
+    kernels  how attention scores are formed from their terms and become outputs: dense, blockwise, Pallas
+    model    ModelConfig, positions, attention variants, the encoder, transformers checkpoints   (-> kernels)
+    train    train/eval steps, optimizer, sharding, checkpoints, metrics, config validation   (-> data, model)
+    study    scoring windows, the length study, reference models, reports, sweeps   (-> data, model, train)
+
+`train.py` and `eval.py` at the repository root are the entry points; `tests/test_layers.py` checks the layering.
+"""

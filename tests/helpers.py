@@ -4,8 +4,8 @@ import os
 
 import numpy as np
 
-from deberta_jax.text import load_documents
-from deberta_jax.tokenizer import save_tokenizer, train_tokenizer
+from deberta_jax.data.text import load_documents
+from deberta_jax.data.tokenizer import save_tokenizer, train_tokenizer
 
 BROWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "brown")
 

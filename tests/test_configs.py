@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from configs import bert, common, deberta
-from deberta_jax.config import ConfigError
-from deberta_jax.run_config import resolved, validate
+from deberta_jax.model.config import ConfigError
+from deberta_jax.train.validation import resolved, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = {"bert": bert, "deberta": deberta}

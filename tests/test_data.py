@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from deberta_jax import data
-from deberta_jax.data import PackedData, batch_indices, get_batch, load_or_pack, pack_documents, process_share
-from deberta_jax.masking import mask_tokens, masking_rng
-from deberta_jax.text import load_documents
-from deberta_jax.tokenizer import SPECIAL_TOKENS, SpecialIds, load_tokenizer, save_tokenizer, train_tokenizer
+from deberta_jax.data import packing
+from deberta_jax.data.masking import mask_tokens, masking_rng
+from deberta_jax.data.packing import PackedData, batch_indices, get_batch, load_or_pack, pack_documents, process_share
+from deberta_jax.data.text import load_documents
+from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds, load_tokenizer, save_tokenizer, train_tokenizer
 
 BROWN_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "brown" / "train.txt"
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
@@ -125,7 +125,7 @@ def test_exact_multiple_has_no_padding(tokenizer):
 
 @pytest.mark.parametrize("seq_len", [4, 7, 10**6])
 def test_bad_seq_len(tokenizer, seq_len):
-    with pytest.raises(ValueError, match=rf"config.data.seq_len={seq_len} is out of range.*--config.data.seq_len=128"):
+    with pytest.raises(ValueError, match=rf"sequence length {seq_len} is out of range"):
         pack_documents(["some text"], tokenizer, seq_len)
 
 
@@ -157,13 +157,13 @@ def write_corpus(path, documents):
 
 def counting_packer(monkeypatch):
     calls = []
-    real = data.pack_documents
+    real = packing.pack_documents
 
     def pack(*args, **kwargs):
         calls.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "pack_documents", pack)
+    monkeypatch.setattr(packing, "pack_documents", pack)
     return calls
 
 
@@ -176,7 +176,7 @@ def assert_same(a: PackedData, b: PackedData):
 def test_second_call_hits_cache(tmp_path, corpus, documents, tokenizer, monkeypatch, caplog):
     write_corpus(corpus, documents[:5])
     cache = tmp_path / "cache"
-    caplog.set_level(logging.INFO, logger="deberta_jax.data")
+    caplog.set_level(logging.INFO, logger="deberta_jax.data.packing")
     first = load_or_pack(str(corpus), tokenizer, 32, cache)
     assert "cache miss" in caplog.text
     assert_same(first, pack_documents(documents[:5], tokenizer, 32))
@@ -184,8 +184,8 @@ def test_second_call_hits_cache(tmp_path, corpus, documents, tokenizer, monkeypa
     def fail(*args, **kwargs):
         raise AssertionError("tokenized again despite a cached result")
 
-    monkeypatch.setattr(data, "load_documents", fail)
-    monkeypatch.setattr(data, "pack_documents", fail)
+    monkeypatch.setattr(packing, "load_documents", fail)
+    monkeypatch.setattr(packing, "pack_documents", fail)
     assert_same(load_or_pack(str(corpus), tokenizer, 32, cache), first)
     assert "cache hit" in caplog.text
     assert [p.suffix for p in cache.iterdir()] == [".npz"]  # no temporary files left over
@@ -207,7 +207,7 @@ def test_cache_invalidated_by_seq_len_and_file(tmp_path, corpus, documents, toke
 def test_cache_key_includes_tokenizer(tmp_path, corpus, documents, tokenizer):
     write_corpus(corpus, documents[:2])
     other = train_tokenizer(documents[:5], vocab_size=500)
-    assert data.cache_path(str(corpus), tokenizer, 32, tmp_path) != data.cache_path(str(corpus), other, 32, tmp_path)
+    assert packing.cache_path(str(corpus), tokenizer, 32, tmp_path) != packing.cache_path(str(corpus), other, 32, tmp_path)
 
 
 def test_interrupted_write_leaves_no_cache(tmp_path, corpus, documents, tokenizer, monkeypatch):
@@ -258,7 +258,7 @@ def test_batches_are_deterministic_and_seeded():
 
 def test_resume_equals_straight_run():
     straight = straight_run(37, 8, 10, seed=3)
-    data._epoch_permutation.cache_clear()  # a resumed process starts with nothing cached
+    packing._epoch_permutation.cache_clear()  # a resumed process starts with nothing cached
     resumed = [batch_indices(37, 8, step, seed=3) for step in range(5, 10)]
     for step, indices in zip(range(5, 10), resumed):
         np.testing.assert_array_equal(indices, straight[step])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax import dropout
+from deberta_jax.kernels import dropout
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.03])

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax import evaluation, extrapolation, report
-from deberta_jax.config import ModelConfig
-from deberta_jax.data import pack_stream
-from deberta_jax.model import MaskedLM
-from deberta_jax.text import load_documents
-from deberta_jax.tokenizer import train_tokenizer
+from deberta_jax.data import targets
+from deberta_jax.data.packing import pack_stream
+from deberta_jax.data.text import load_documents
+from deberta_jax.data.tokenizer import train_tokenizer
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.study import length_study, report, scoring
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def tok(docs):
 
 @pytest.fixture(scope="module")
 def corpus(docs, tok):
-    return evaluation.build_corpus(docs, tok, seed=0)
+    return targets.build_corpus(docs, tok, seed=0)
 
 
 def tiny(tok, **kw):
@@ -42,17 +43,17 @@ def scored_positions(windows):
 
 
 def test_targets_are_fixed_per_position_and_identical_across_lengths(corpus, docs, tok):
-    again = evaluation.build_corpus(docs, tok, seed=0)
+    again = targets.build_corpus(docs, tok, seed=0)
     np.testing.assert_array_equal(again.targets, corpus.targets)
     assert 0.12 < corpus.targets.mean() < 0.18
     assert not corpus.targets[np.isin(corpus.tokens, corpus.special.all)].any()
     expected = np.nonzero(corpus.targets)[0]
     for n in (16, 24, 64, 128):
-        np.testing.assert_array_equal(scored_positions(evaluation.chunked_windows(corpus, n)), expected)
+        np.testing.assert_array_equal(scored_positions(targets.chunked_windows(corpus, n)), expected)
 
 
 def test_chunked_windows_use_the_training_packing(corpus):
-    w = evaluation.chunked_windows(corpus, 16)
+    w = targets.chunked_windows(corpus, 16)
     ids, mask = pack_stream(corpus.tokens, corpus.special, 16)
     np.testing.assert_array_equal(w.attention_mask, mask)
     np.testing.assert_array_equal(np.where(w.weights > 0, ids, w.input_ids), ids)
@@ -62,11 +63,11 @@ def test_chunked_windows_use_the_training_packing(corpus):
 
 def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
     span = 8
-    starts = evaluation.target_starts(corpus, 128, span, 32)
+    starts = targets.target_starts(corpus, 128, span, 32)
     reference = None
     for n in (16, 32, 128):
-        for offset in evaluation.default_offsets(16, n, span):
-            w = evaluation.fixed_target_windows(corpus, n, offset, starts, span)
+        for offset in targets.default_offsets(16, n, span):
+            w = targets.fixed_target_windows(corpus, n, offset, starts, span)
             got = scored_positions(w)
             reference = got if reference is None else reference
             np.testing.assert_array_equal(got, reference)
@@ -77,8 +78,8 @@ def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
 
 def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
     model = tiny(tok, attention="disentangled")
-    windows = evaluation.chunked_windows(corpus, 16)
-    sums = evaluation.score_windows(evaluation.make_scorer(model), corpus, windows, batch_size=5, bucket_width=4)
+    windows = targets.chunked_windows(corpus, 16)
+    sums = scoring.score_windows(scoring.make_scorer(model), corpus, windows, batch_size=5, bucket_width=4)
     logp = np.asarray(jax.nn.log_softmax(model.mlm_logits(windows.input_ids, windows.attention_mask), axis=-1))
     target = windows.weights > 0
     nll = -np.take_along_axis(logp, windows.labels[..., None], axis=-1)[..., 0][target]
@@ -91,18 +92,18 @@ def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
 
 
 def test_scored_counts_cover_the_targets_with_one_shape_per_batch_size():
-    counts = [evaluation.scored_count(16384, n) for n in range(0, 6000, 7)]
+    counts = [scoring.scored_count(16384, n) for n in range(0, 6000, 7)]
     assert all(c >= n for n, c in zip(range(0, 6000, 7), counts))
     assert len(set(counts[: 2800 // 7])) == 1  # every batch masked at the evaluation rate: one compile
-    assert evaluation.scored_count(16384, 5000) == 5056
+    assert scoring.scored_count(16384, 5000) == 5056
 
 
 def test_policies_are_reported_not_silently_nan(docs, tok):
     bert = tiny(tok, attention="entangled", position_biased_input=True)
-    models = [extrapolation.EvalModel("bert", 0, "a", bert, tok, 16)]
-    settings = extrapolation.StudySettings(lengths=(16, 32, 64), policies=("strict", "untrained", "clip", "interpolate"),
+    models = [length_study.EvalModel("bert", 0, "a", bert, tok, 16)]
+    settings = length_study.StudySettings(lengths=(16, 32, 64), policies=("strict", "untrained", "clip", "interpolate"),
                                            protocols=("chunked",), bootstrap=50)
-    records, skipped = extrapolation.run_study(models, {"d": docs}, settings)
+    records, skipped = length_study.run_study(models, {"d": docs}, settings)
     evaluated = {(r["policy"], r["eval_len"]) for r in records if r["metric"] == "loss" and r["bucket"] == "all"}
     assert evaluated == {("strict", 16), ("untrained", 16), ("untrained", 32), ("clip", 16), ("clip", 32),
                          ("clip", 64), ("interpolate", 16), ("interpolate", 32), ("interpolate", 64)}
@@ -117,16 +118,16 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
 
 def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
     other = train_tokenizer(docs, 300)
-    models = [extrapolation.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
+    models = [length_study.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
     labelled = [(f"{m.label} (seed {m.seed})", m.tokenizer.to_str()) for m in models]
-    assert extrapolation.tokenizer_groups(labelled) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
+    assert length_study.tokenizer_groups(labelled) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
 
 
 def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
-    models = [extrapolation.EvalModel("deb", s, f"w{s}", tiny(tok), tok, 16) for s in (0, 1)]
+    models = [length_study.EvalModel("deb", s, f"w{s}", tiny(tok), tok, 16) for s in (0, 1)]
     models[1].model = tiny(tok, initializer_range=0.03)
-    settings = extrapolation.StudySettings(multiples=(1, 2), extra=(16,), num_targets=8, bootstrap=50)
-    records, skipped = extrapolation.run_study(models, {"brown/valid": docs}, settings)
+    settings = length_study.StudySettings(multiples=(1, 2), extra=(16,), num_targets=8, bootstrap=50)
+    records, skipped = length_study.run_study(models, {"brown/valid": docs}, settings)
     means = report.aggregate_seeds(records)
     report.write_results(records + means, skipped, str(tmp_path))
     data = json.loads((tmp_path / "results.json").read_text())
@@ -148,21 +149,21 @@ def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
 
 def test_bad_settings_and_short_text_fail_clearly(tok):
     with pytest.raises(ValueError, match="--lengths"):
-        extrapolation.StudySettings(lengths=(1,))
+        length_study.StudySettings(lengths=(1,))
     with pytest.raises(ValueError, match="unknown policy"):
-        extrapolation.StudySettings(policies=("wrap",))
-    models = [extrapolation.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
+        length_study.StudySettings(policies=("wrap",))
+    models = [length_study.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
     with pytest.raises(ValueError, match="shorter than the longest eval length"):
-        extrapolation.run_study(models, {"d": ["just a few words here"]}, extrapolation.StudySettings(protocols=("chunked",)))
+        length_study.run_study(models, {"d": ["just a few words here"]}, length_study.StudySettings(protocols=("chunked",)))
 
 
 def test_unigram_floor_scores_the_same_targets(corpus, docs, tok):
-    from deberta_jax.baselines import UnigramModel
+    from deberta_jax.study.reference import UnigramModel
 
     unigram = UnigramModel(corpus.tokens, tok.get_vocab_size(), corpus.special)
-    em = extrapolation.EvalModel("unigram", "-", "counts", unigram, tok, 16)
-    settings = extrapolation.StudySettings(lengths=(16, 64), protocols=("chunked",), bootstrap=20)
-    records, skipped = extrapolation.run_study([em], {"d": docs}, settings)
+    em = length_study.EvalModel("unigram", "-", "counts", unigram, tok, 16)
+    settings = length_study.StudySettings(lengths=(16, 64), protocols=("chunked",), bootstrap=20)
+    records, skipped = length_study.run_study([em], {"d": docs}, settings)
     labels = corpus.tokens[corpus.targets]
     expected = float(np.mean(-unigram.log_probs[labels]))
     losses = [r["value"] for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
@@ -182,8 +183,8 @@ def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok
         max_relative_positions=16, pos_att_type=["c2p", "p2c"], position_biased_input=False, type_vocab_size=0)
     transformers.DebertaV2ForMaskedLM(config).save_pretrained(tmp_path)
     tok.save(str(tmp_path / "tokenizer.json"))
-    em = extrapolation.load_hf_checkpoint(str(tmp_path))
+    em = length_study.load_hf_checkpoint(str(tmp_path))
     assert em.train_len == 32 and em.model.cfg.clamp_relative_positions
-    records, skipped = extrapolation.run_study(
-        [em], {"d": docs}, extrapolation.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
+    records, skipped = length_study.run_study(
+        [em], {"d": docs}, length_study.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
     assert {r["eval_len"] for r in records if r["metric"] == "loss"} == {32, 128} and not skipped

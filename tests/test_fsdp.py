@@ -12,15 +12,17 @@ import sys
 import pytest
 
 from configs import deberta
-from deberta_jax import run_config
+from deberta_jax.train import validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from configs import deberta
-from deberta_jax import optim, sharding, train_lib
-from deberta_jax.config import ModelConfig
+from deberta_jax.train import optim
+from deberta_jax.train import sharding
+from deberta_jax.train import steps
+from deberta_jax.model.config import ModelConfig
 
 assert jax.device_count() == 8
 config = deberta.get_config("micro")
@@ -28,8 +30,8 @@ config.model.hidden_dropout = config.model.attention_dropout = 0.0
 model_config = ModelConfig.from_dict(dict(config.model.to_dict(), trained_length=32))
 schedule = optim.learning_rate_schedule(1e-3, 2, 10, "linear")
 optimizer = optim.make_optimizer(config.train, schedule)
-init = train_lib.make_init_fn(model_config, optimizer, seed=0)
-step = train_lib.make_train_step(train_lib.model_graphdef(model_config), optimizer, schedule, seed=0,
+init = steps.make_init_fn(model_config, optimizer, seed=0)
+step = steps.make_train_step(steps.model_graphdef(model_config), optimizer, schedule, seed=0,
                                  grad_accum_steps=2, mask_prob=0.15)
 rng = np.random.default_rng(0)
 batches = [dict(input_ids=rng.integers(5, 512, (16, 32)).astype(np.int32), attention_mask=np.ones((16, 32), np.int32),
@@ -85,5 +87,5 @@ def test_fsdp_must_divide_the_device_count():
     config = deberta.get_config("micro")
     config.data.train_files = "unused.txt"
     config.mesh.fsdp = 3
-    with pytest.raises(run_config.ConfigError, match="mesh.fsdp=3 must divide the number of devices"):
-        run_config.validate(config, num_devices=8)
+    with pytest.raises(validation.ConfigError, match="mesh.fsdp=3 must divide the number of devices"):
+        validation.validate(config, num_devices=8)

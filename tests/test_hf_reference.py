@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from deberta_jax import hf
+from deberta_jax.model import hf
 
 TOL = 1e-4
 SMALL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,

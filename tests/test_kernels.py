@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax import kernels, positions
-from deberta_jax.attention import ScoreFunction, banded_relative_terms, relative_terms
-from deberta_jax.config import ConfigError, ModelConfig
-from deberta_jax.model import MaskedLM
-from deberta_jax.pallas_attention import pallas_attention
+from deberta_jax.kernels import blockwise
+from deberta_jax.kernels.pallas import pallas_attention
+from deberta_jax.model import positions
+from deberta_jax.model.attention import ScoreFunction, banded_relative_terms, relative_terms
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 
 B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
 
@@ -66,8 +67,8 @@ VARIANTS = ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"]
 ])
 def test_kernel_equals_dense_outputs_and_gradients(variant, kernel, block_size):
     inputs = variant_inputs(variant)
-    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
-    out, grads = outputs_and_grads(kernels.attention_kernel(kernel, block_size), *inputs)
+    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, *inputs)
+    out, grads = outputs_and_grads(blockwise.attention_kernel(kernel, block_size), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -120,8 +121,8 @@ def test_kernel_equals_dense_far_past_the_relative_table(kernel):
     shared, keys = dict(q=normal(1, 2, n, D), c2p=normal(1, 2, n, 15)), dict(k=normal(1, 2, n, D), p2c=normal(1, 2, n, 15))
     key_mask = jnp.asarray((np.arange(n) < 141)[None].astype(np.int32))
     inputs = (score_fn, shared, keys, normal(1, 2, n, D), key_mask)
-    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, *inputs)
-    out, grads = outputs_and_grads(kernels.attention_kernel(kernel, 16), *inputs)
+    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, *inputs)
+    out, grads = outputs_and_grads(blockwise.attention_kernel(kernel, 16), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -131,8 +132,8 @@ def test_blockwise_bfloat16_is_close_to_dense():
     # accumulated over blocks in float32.
     score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
     shared, keys, v = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (shared, keys, v))
-    dense_out, dense_grads = outputs_and_grads(kernels.dense_attention, score_fn, shared, keys, v, key_mask)
-    block_out, block_grads = outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v, key_mask,
+    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, score_fn, shared, keys, v, key_mask)
+    block_out, block_grads = outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v, key_mask,
                                                block_size=8)
     assert block_out.dtype == jnp.bfloat16
     to32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
@@ -145,19 +146,19 @@ def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
     score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
     rate, size, key = 0.3, 8, jax.random.key(3)
     blocks = -(-N // size)
-    keep = jnp.concatenate([kernels.dropout_keep(key, b, (B, H, N, size), rate) for b in range(blocks)], -1)[..., :N]
+    keep = jnp.concatenate([blockwise.dropout_keep(key, b, (B, H, N, size), rate) for b in range(blocks)], -1)[..., :N]
 
     def reference(score_fn, shared, keys, v, key_mask):
-        scores = jnp.where(key_mask[:, None, None, :] > 0, score_fn(shared, keys, np.arange(N)), kernels.NEG_INF)
+        scores = jnp.where(key_mask[:, None, None, :] > 0, score_fn(shared, keys, np.arange(N)), blockwise.NEG_INF)
         probs = jnp.where(keep, jax.nn.softmax(scores, axis=-1) / (1 - rate), 0.0)
         return jnp.einsum("bhij,bhjd->bhid", probs, v)
 
     ref_out, ref_grads = outputs_and_grads(reference, score_fn, shared, keys, v, key_mask)
-    out, grads = outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v, key_mask,
+    out, grads = outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v, key_mask,
                                    block_size=size, dropout_rate=rate, dropout_key=key)
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, ref_grads, atol=1e-5)
-    assert not np.allclose(out, outputs_and_grads(kernels.blockwise_attention, score_fn, shared, keys, v,
+    assert not np.allclose(out, outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v,
                                                   key_mask, block_size=size)[0], atol=1e-3)
 
 
@@ -166,8 +167,8 @@ def test_fully_padded_row_matches_dense(kernel):
     # A row with no real key at all: every kernel averages every real-length key uniformly.
     score_fn, shared, keys, v, _ = variant_inputs("entangled")
     key_mask = jnp.zeros((B, N), jnp.int32)
-    dense = kernels.dense_attention(score_fn, shared, keys, v, key_mask)
-    np.testing.assert_allclose(kernels.attention_kernel(kernel, 8)(score_fn, shared, keys, v, key_mask),
+    dense = blockwise.dense_attention(score_fn, shared, keys, v, key_mask)
+    np.testing.assert_allclose(blockwise.attention_kernel(kernel, 8)(score_fn, shared, keys, v, key_mask),
                                dense, atol=1e-5)
 
 
@@ -214,11 +215,11 @@ def compiled_temp_bytes(kernel, n, **kw):
 
 
 def test_blockwise_memory_is_linear_in_length():
-    dense = compiled_temp_bytes(kernels.dense_attention, 2048)
-    blockwise = [compiled_temp_bytes(kernels.blockwise_attention, n, block_size=128) for n in (1024, 2048)]
+    dense = compiled_temp_bytes(blockwise.dense_attention, 2048)
+    blocked = [compiled_temp_bytes(blockwise.blockwise_attention, n, block_size=128) for n in (1024, 2048)]
     assert dense > 8 * 2 * 2048 * 2048  # at least two [1, 2, N, N] float32 tensors
-    assert blockwise[1] < dense / 5  # measured: 17.7 MB against 134 MB
-    assert blockwise[1] < 2.5 * blockwise[0]  # twice the length, about twice the memory
+    assert blocked[1] < dense / 5  # measured: 17.7 MB against 134 MB
+    assert blocked[1] < 2.5 * blocked[0]  # twice the length, about twice the memory
 
 
 @pytest.mark.parametrize("variant,d", [("entangled", 64), ("disentangled", 64), ("t5_bias", 64), ("disentangled", 48)])

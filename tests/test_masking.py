@@ -9,8 +9,8 @@ chance, yet catch any real bias (e.g. 0.8 vs 0.85, or 0.10 vs 0.12).
 import numpy as np
 import pytest
 
-from deberta_jax.masking import MaskedBatch, mask_tokens, masking_rng
-from deberta_jax.tokenizer import SpecialIds
+from deberta_jax.data.masking import MaskedBatch, mask_tokens, masking_rng
+from deberta_jax.data.tokenizer import SpecialIds
 
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
 VOCAB = 1000

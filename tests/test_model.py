@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax.config import ConfigError, ModelConfig
-from deberta_jax.model import MaskedLM
-from deberta_jax.positions import PositionRangeError
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.model.positions import PositionRangeError
 from tests.helpers import assert_padding_invariant
 
 BASE = dict(vocab_size=60, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=32)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax import positions
-from deberta_jax.attention import entangled_scores
-from deberta_jax.config import ConfigError, ModelConfig
-from deberta_jax.model import MaskedLM
+from deberta_jax.model import positions
+from deberta_jax.model.attention import entangled_scores
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 from tests.helpers import assert_padding_invariant
 
 TRAIN_LEN = 16

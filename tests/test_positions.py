@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.deberta_v2 import modeling_deberta_v2 as ref
 
-from deberta_jax import positions
+from deberta_jax.model import positions
 
 
 def test_log_buckets_match_hand_computed_values():

@@ -7,8 +7,8 @@ from ml_collections import config_dict
 import train
 from configs import bert, deberta
 from configs.sweeps import ablation
-from deberta_jax import extrapolation, sweep
-from deberta_jax.text import load_documents
+from deberta_jax.data.text import load_documents
+from deberta_jax.study import length_study, sweep
 from tests.helpers import write_brown_slices
 
 FAMILIES = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}
@@ -37,10 +37,10 @@ def test_every_variant_trains_and_extrapolates(index, corpus, tmp_path):
     workdir = tmp_path / f"{variant.name}-L16-s0"
     metrics = train.train_and_evaluate(micro_variant_config(variant, corpus), workdir)
     assert metrics["eval_loss"] > 0
-    model = extrapolation.load_workdir_model(str(workdir))
+    model = length_study.load_workdir_model(str(workdir))
     assert model.label == f"{variant.name}-L16"
-    settings = extrapolation.StudySettings(multiples=(1, 4), extra=(), policies=("clip",), num_targets=4, bootstrap=20)
-    records, skipped = extrapolation.run_study([model], {"valid": load_documents(str(corpus / "valid.txt"))}, settings)
+    settings = length_study.StudySettings(multiples=(1, 4), extra=(), policies=("clip",), num_targets=4, bootstrap=20)
+    records, skipped = length_study.run_study([model], {"valid": load_documents(str(corpus / "valid.txt"))}, settings)
     lengths = {r["eval_len"] for r in records if r["metric"] == "loss" and r["bucket"] == "all"}
     assert lengths == {16, 64} and not skipped
 
@@ -82,7 +82,7 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     def fail(*args, **kwargs):
         raise AssertionError("evaluated again")
 
-    monkeypatch.setattr(sweep.extrapolation, "run_study", fail)
+    monkeypatch.setattr(sweep.length_study, "run_study", fail)
     assert open(sweep.evaluate_and_report(plan, runs)).read().split("## Sweep")[0].count("| unigram |") == 2
     plan.eval.num_targets += 1
     with pytest.raises(AssertionError, match="evaluated again"):

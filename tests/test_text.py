@@ -1,18 +1,19 @@
 """Reading corpora into documents: file layouts, specs, and the errors that tell users how to fix them."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from deberta_jax import text
-from deberta_jax.text import load_documents, parse_hf_spec, resolve_files, split_documents
+from deberta_jax.data import text
+from deberta_jax.data.text import load_documents, parse_hf_spec, resolve_files, split_documents
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
-FIX = "--config.data.train_files="
+FIX = re.escape(text.LOCAL_FILES_EXAMPLE)
 
 
 def write(path: Path, content: str | bytes) -> Path:
@@ -104,11 +105,11 @@ def test_offline_env_gives_clear_error(tmp_path):
     # A fresh interpreter, because `datasets` reads the offline switch when first imported;
     # an empty HF_HOME, so a dataset cached on this machine cannot satisfy the load.
     code = (
-        "from deberta_jax.text import load_documents\n"
+        "from deberta_jax.data.text import load_documents\n"
         "try:\n    load_documents('hf:wikitext:wikitext-103-raw-v1:train')\n"
         "except ConnectionError as err:\n    print(err)\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert "Hub is unreachable" in result.stdout, result.stderr
-    assert FIX in result.stdout
+    assert text.LOCAL_FILES_EXAMPLE in result.stdout

@@ -21,10 +21,11 @@ from flax import nnx
 
 import train
 from configs import deberta
-from deberta_jax import checkpoint, data, input_pipeline, metrics_io, optim, train_lib
-from deberta_jax.config import ModelConfig
-from deberta_jax.tokenizer import SpecialIds
-from deberta_jax.text import load_documents
+from deberta_jax.data import batches, packing
+from deberta_jax.data.text import load_documents
+from deberta_jax.data.tokenizer import SpecialIds
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.train import checkpoint, metrics_io, optim, steps
 from tests.helpers import write_brown_slices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,13 +110,13 @@ def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
     config, model, tokenizer = checkpoint.load_workdir(straight_run)
     assert model.cfg.trained_length == config.data.seq_len == 32
     assert model.cfg.vocab_size == tokenizer.get_vocab_size()
-    masker = input_pipeline.Masker(SpecialIds.from_tokenizer(tokenizer), tokenizer.get_vocab_size(),
+    masker = batches.Masker(SpecialIds.from_tokenizer(tokenizer), tokenizer.get_vocab_size(),
                                    config.data.mask_prob, config.data.whole_word_masking)
-    packed = data.load_or_pack(config.data.eval_files, tokenizer, config.data.seq_len, config.data.cache_dir)
-    batches = input_pipeline.eval_batches(packed, masker.special, batch_size=16, max_batches=None,
+    packed = packing.load_or_pack(config.data.eval_files, tokenizer, config.data.seq_len, config.data.cache_dir)
+    evals = batches.eval_batches(packed, masker.special, batch_size=16, max_batches=None,
                                           process_index=0, process_count=1)[: -(-4 * 8 // 16)]  # eval_batches=4 of 8
     loss_sum = count = 0.0
-    for batch in batches:
+    for batch in evals:
         logits = np.asarray(model.mlm_logits(batch["input_ids"], batch["attention_mask"]), np.float64)
         log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - logits.max(-1, keepdims=True)
@@ -129,14 +130,14 @@ def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
 
 def test_length_evaluation_at_1x_reproduces_the_logged_eval_loss(corpus, tmp_path):
     """eval.py's chunked protocol at the training length is the evaluation training logs."""
-    from deberta_jax import extrapolation
+    from deberta_jax.study import length_study
 
     config = micro_config(corpus, eval_batches=None)
     train.train_and_evaluate(config, tmp_path)
     logged = [r for r in metrics_io.read_metrics(tmp_path) if "eval_loss" in r][-1]
-    model = extrapolation.load_workdir_model(str(tmp_path))
-    settings = extrapolation.StudySettings(lengths=(config.data.seq_len,), protocols=("chunked",), bootstrap=10)
-    records, _ = extrapolation.run_study([model], {"valid": load_documents(config.data.eval_files)}, settings)
+    model = length_study.load_workdir_model(str(tmp_path))
+    settings = length_study.StudySettings(lengths=(config.data.seq_len,), protocols=("chunked",), bootstrap=10)
+    records, _ = length_study.run_study([model], {"valid": load_documents(config.data.eval_files)}, settings)
     loss = [r for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
     accuracy = [r for r in records if r["metric"] == "accuracy" and r["bucket"] == "all"]
     np.testing.assert_allclose(loss[0]["value"], logged["eval_loss"], rtol=1e-5)
@@ -211,11 +212,11 @@ def masked_batch(batch_size=8, seq_len=16, mask_prob=0.3):
 def test_gradient_accumulation_equals_one_big_batch():
     schedule = optim.learning_rate_schedule(1e-3, 0, 10, "linear")
     optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
-    state = jax.jit(train_lib.make_init_fn(SMALL_MODEL, optimizer, seed=0))()
+    state = jax.jit(steps.make_init_fn(SMALL_MODEL, optimizer, seed=0))()
     batch = masked_batch()
 
     def run(accum):
-        step = train_lib.make_train_step(train_lib.model_graphdef(SMALL_MODEL), optimizer, schedule, seed=0,
+        step = steps.make_train_step(steps.model_graphdef(SMALL_MODEL), optimizer, schedule, seed=0,
                                          grad_accum_steps=accum, mask_prob=0.3)
         return jax.jit(step)(state, batch)
 
@@ -227,13 +228,13 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_masked_lm_sums_score_only_masked_positions_exactly():
-    graphdef, params, batch = train_lib.model_graphdef(SMALL_MODEL), train_lib.init_params(SMALL_MODEL, 0), masked_batch()
+    graphdef, params, batch = steps.model_graphdef(SMALL_MODEL), steps.init_params(SMALL_MODEL, 0), masked_batch()
     logits = jax.jit(lambda p: nnx.merge(graphdef, p).mlm_logits(batch["input_ids"], batch["attention_mask"]))(params)
-    sums = jax.jit(lambda p, budget: train_lib.masked_lm_sums(nnx.merge(graphdef, p), batch, budget),
+    sums = jax.jit(lambda p, budget: steps.masked_lm_sums(nnx.merge(graphdef, p), batch, budget),
                    static_argnums=1)
     full = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
     masked = int(batch["weights"].sum())
-    within = sums(params, train_lib.prediction_budget(batch["weights"].size, 0.3))
+    within = sums(params, steps.prediction_budget(batch["weights"].size, 0.3))
     np.testing.assert_allclose(within["loss_sum"], (full * batch["weights"]).sum(), rtol=1e-6)
     np.testing.assert_allclose(within["correct_sum"], ((logits.argmax(-1) == batch["labels"]) * batch["weights"]).sum())
     assert (float(within["count"]), int(within["dropped"])) == (masked, 0)
@@ -242,8 +243,8 @@ def test_masked_lm_sums_score_only_masked_positions_exactly():
 
 
 def test_prediction_budget_leaves_8_sigma_headroom():
-    assert train_lib.prediction_budget(32 * 128, 0.15) == 903  # 614.4 + 8 * sqrt(2 * 614.4) + 8, of 4096
-    assert train_lib.prediction_budget(64, 0.5) == 64  # never more than the batch
+    assert steps.prediction_budget(32 * 128, 0.15) == 903  # 614.4 + 8 * sqrt(2 * 614.4) + 8, of 4096
+    assert steps.prediction_budget(64, 0.5) == 64  # never more than the batch
 
 
 def test_schedule_warms_up_then_decays_to_zero():
@@ -260,7 +261,7 @@ def test_schedule_warms_up_then_decays_to_zero():
 def test_weight_decay_only_on_dense_kernels():
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                       position_buckets=8, max_relative_positions=16, max_position_embeddings=32, use_emd=True)
-    params = train_lib.init_params(cfg, seed=0)
+    params = steps.init_params(cfg, seed=0)
     decayed = {jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_leaves_with_path(optim.weight_decay_mask(params)) if d}
     assert decayed and all(path.endswith("['kernel']") for path in decayed)
     for table in ("['embeddings']['word_embeddings']", "['embeddings']['position_embeddings']",
@@ -280,7 +281,7 @@ def _leaf(tree, keystr):
 
 
 def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
-    state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
+    state = steps.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
     manager = checkpoint.checkpoint_manager(tmp_path, keep=2)
     for step, eval_loss in [(1, 3.0), (2, 2.0), (3, None), (4, 4.0), (5, None), (6, 5.0)]:
         metrics = None if eval_loss is None else {"eval_loss": eval_loss}

@@ -1,6 +1,6 @@
 """CPU-scale ablation: DeBERTa's score terms and EMD, and the position schemes of the length literature.
 
-    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py
 
 Every variant trains the same small encoder (2 layers, hidden 128, 4 heads, length 64, 800 steps of
 32 sequences = 1.6M tokens, about 1.3 epochs of Brown train) with 3 seeds, then is evaluated at 1x-8x

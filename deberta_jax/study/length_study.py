@@ -19,11 +19,14 @@ import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
-from deberta_jax import checkpoint, data, evaluation, hf
-from deberta_jax.baselines import UnigramModel
-from deberta_jax.config import ABSOLUTE_POSITION_POLICIES
-from deberta_jax.model import MaskedLM
-from deberta_jax.tokenizer import SpecialIds
+from deberta_jax.data import packing, targets
+from deberta_jax.data.tokenizer import SpecialIds
+from deberta_jax.model import hf
+from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.study import scoring
+from deberta_jax.study.reference import UnigramModel
+from deberta_jax.train import checkpoint
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
 DEFAULT_EXTRA = (16, 64)
@@ -72,7 +75,7 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
 def unigram_reference(em: EvalModel) -> EvalModel:
     """The unigram floor for a trained run: counts from its own training files and tokenizer."""
     config = checkpoint.read_config(em.source)
-    packed = data.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len), config.data.cache_dir)
+    packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len), config.data.cache_dir)
     special = SpecialIds.from_tokenizer(em.tokenizer)
     stream = packed.input_ids[packed.attention_mask > 0]
     unigram = UnigramModel(stream[~np.isin(stream, special.all)], em.tokenizer.get_vocab_size(), special)
@@ -102,8 +105,8 @@ class StudySettings:
             if p not in PROTOCOLS:
                 raise ValueError(f"--protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
         for n in self.lengths:
-            if n < data.MIN_SEQ_LEN:
-                raise ValueError(f"--lengths: {n} is too short; every length must be >= {data.MIN_SEQ_LEN} "
+            if n < packing.MIN_SEQ_LEN:
+                raise ValueError(f"--lengths: {n} is too short; every length must be >= {packing.MIN_SEQ_LEN} "
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
             raise ValueError("--multiples must be positive")
@@ -122,10 +125,10 @@ def policies_for(model, requested: Sequence[str]) -> list[str]:
     return list(requested) if _has_absolute_table(model) else ["none"]
 
 
-def scorer_for(model, policy: str) -> evaluation.Scorer:
+def scorer_for(model, policy: str) -> scoring.Scorer:
     if isinstance(model, UnigramModel):
         return model.scorer()
-    return evaluation.make_scorer(model, None if policy == "none" else policy)
+    return scoring.make_scorer(model, None if policy == "none" else policy)
 
 
 def refusal(model, policy: str, eval_len: int) -> str | None:
@@ -141,7 +144,7 @@ def refusal(model, policy: str, eval_len: int) -> str | None:
     return None
 
 
-def _records(em: EvalModel, sums: evaluation.Sums, resamples: np.ndarray, **key) -> list[dict]:
+def _records(em: EvalModel, sums: scoring.Sums, resamples: np.ndarray, **key) -> list[dict]:
     """Overall loss/accuracy/perplexity with bootstrap intervals, plus loss/accuracy per position bucket."""
     base = dict(model=em.label, seed=em.seed, source=em.source, train_len=em.train_len,
                 multiple=key["eval_len"] / em.train_len, **key)
@@ -150,7 +153,7 @@ def _records(em: EvalModel, sums: evaluation.Sums, resamples: np.ndarray, **key)
                                    ("perplexity", sums.loss_doc, np.exp)):
         value = sums.loss if metric != "accuracy" else sums.accuracy
         value = math.exp(value) if metric == "perplexity" else value
-        lo, hi = evaluation.bootstrap_ratio_ci(num, sums.count_doc, resamples, transform or (lambda x: x))
+        lo, hi = scoring.bootstrap_ratio_ci(num, sums.count_doc, resamples, transform or (lambda x: x))
         out.append(dict(base, bucket="all", metric=metric, value=value, ci_low=lo, ci_high=hi, n_tokens=sums.count))
     for b in np.nonzero(sums.count_bucket)[0]:
         n = int(sums.count_bucket[b])
@@ -209,9 +212,9 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
         for dataset, documents in datasets.items():
             key = (dataset, em.tokenizer.to_str())
             if key not in corpora:
-                corpus = evaluation.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
+                corpus = targets.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
                 if settings.max_eval_tokens:
-                    corpus = evaluation.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
+                    corpus = targets.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
                                                            corpus.special, settings.mask_seed)
                 corpora[key] = corpus
             corpus = corpora[key]
@@ -219,8 +222,8 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                 raise ValueError(
                     f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
                     f"{max(lengths)}; pass a longer eval text or fewer/smaller --multiples / --lengths")
-            resamples = evaluation.document_resamples(corpus.num_docs, settings.bootstrap)
-            starts = (evaluation.target_starts(corpus, max(lengths), span, settings.num_targets)
+            resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
+            starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
                       if "fixed_target" in settings.protocols else None)
             for policy in policies_for(em.model, settings.policies):
                 scorer = scorer_for(em.model, policy)
@@ -233,13 +236,13 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                     batch = max(1, settings.tokens_per_batch // eval_len)
                     desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
                     if "chunked" in settings.protocols:
-                        sums = evaluation.score_windows(scorer, corpus, evaluation.chunked_windows(corpus, eval_len),
+                        sums = scoring.score_windows(scorer, corpus, targets.chunked_windows(corpus, eval_len),
                                                         batch, bucket_width, desc)
                         records += _records(em, sums, resamples, protocol="chunked", offset=None, **common)
                     if starts is not None:
-                        for offset in evaluation.default_offsets(em.train_len, eval_len, span):
-                            windows = evaluation.fixed_target_windows(corpus, eval_len, offset, starts, span)
-                            sums = evaluation.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
+                        for offset in targets.default_offsets(em.train_len, eval_len, span):
+                            windows = targets.fixed_target_windows(corpus, eval_len, offset, starts, span)
+                            sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
                             records += [r for r in _records(em, sums, resamples, protocol="fixed_target",
                                                             offset=offset, **common) if r["bucket"] == "all"]
     return add_relative_change(records), skipped

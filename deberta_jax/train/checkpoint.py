@@ -31,10 +31,10 @@ from flax import nnx
 from ml_collections import config_dict
 from tokenizers import Tokenizer
 
-from deberta_jax import tokenizer as tokenizer_lib
-from deberta_jax.config import ModelConfig
-from deberta_jax.model import MaskedLM
-from deberta_jax.train_lib import TrainState
+from deberta_jax.data import tokenizer as tokenizer_lib
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.train.steps import TrainState
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"

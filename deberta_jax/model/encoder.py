@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax import dropout, positions
-from deberta_jax.attention import PositionContext, SelfAttention
-from deberta_jax.config import ModelConfig
-from deberta_jax.layers import dense, layer_norm, table
+from deberta_jax.kernels import dropout
+from deberta_jax.model import positions
+from deberta_jax.model.attention import PositionContext, SelfAttention
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.parameters import dense, layer_norm, table
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),

@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from deberta_jax.config import ModelConfig
-from deberta_jax.model import MaskedLM
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 
 
 class CheckpointError(ValueError):

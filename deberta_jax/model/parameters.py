@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from deberta_jax.config import ModelConfig
+from deberta_jax.model.config import ModelConfig
 
 
 def dense(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deberta_jax import dropout
-from deberta_jax.config import ATTENTION_KERNELS
+from deberta_jax.kernels import dropout
+from deberta_jax.model.config import ATTENTION_KERNELS
 
 NEG_INF = float(np.finfo(np.float32).min)
 
@@ -182,6 +182,6 @@ def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
         return functools.partial(blockwise_attention, block_size=block_size)
     if name == "pallas":
         # Imported on demand: only this kernel needs Pallas and its Triton lowering.
-        from deberta_jax.pallas_attention import pallas_attention
+        from deberta_jax.kernels.pallas import pallas_attention
         return functools.partial(pallas_attention, block_size=block_size)
     raise ValueError(f"unknown attention kernel {name!r}; choose one of {ATTENTION_KERNELS}")

@@ -26,8 +26,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from deberta_jax.text import is_hf_spec, load_documents, resolve_files
-from deberta_jax.tokenizer import CONTINUATION_PREFIX, SpecialIds
+from deberta_jax.data.text import is_hf_spec, load_documents, resolve_files
+from deberta_jax.data.tokenizer import CONTINUATION_PREFIX, SpecialIds
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ def check_seq_len(seq_len: int) -> None:
     """Rejects lengths that cannot hold [CLS] + content + [SEP] or that no experiment here needs."""
     if not MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
         raise ValueError(
-            f"config.data.seq_len={seq_len} is out of range: need {MIN_SEQ_LEN} <= seq_len <= {MAX_SEQ_LEN} "
-            "(each row is [CLS] + seq_len-2 tokens + [SEP]); set e.g. --config.data.seq_len=128"
+            f"sequence length {seq_len} is out of range: need {MIN_SEQ_LEN} <= length <= {MAX_SEQ_LEN} "
+            "(each row is [CLS] + length-2 tokens + [SEP])"
         )
 
 

@@ -14,9 +14,9 @@ import os
 
 from ml_collections import config_dict
 
-from deberta_jax import data
-from deberta_jax.config import ConfigError, ModelConfig
-from deberta_jax.optim import SCHEDULES
+from deberta_jax.data import packing
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.train.optim import SCHEDULES
 
 
 def _require(ok: bool, field: str, value, problem: str) -> None:
@@ -64,7 +64,9 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              "does not exist; pass a tokenizer.json file, or leave it unset to train one on data.train_files")
     seq_len = config.data.seq_len
     _require(_is_int(seq_len), "data.seq_len", seq_len, "must be an integer")
-    data.check_seq_len(seq_len)
+    low, high = packing.MIN_SEQ_LEN, packing.MAX_SEQ_LEN
+    _require(low <= seq_len <= high, "data.seq_len", seq_len,
+             f"is out of range: need {low} <= seq_len <= {high} (each row is [CLS] + seq_len-2 tokens + [SEP])")
     _require_number(config, "data.mask_prob", 0.0, 1.0, low_open=True)
     _require(isinstance(config.data.whole_word_masking, bool), "data.whole_word_masking",
              config.data.whole_word_masking, "must be True or False")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deberta_jax.tokenizer import SpecialIds
+from deberta_jax.data.tokenizer import SpecialIds
 
 
 class UnigramModel:

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax import dropout, kernels, positions
-from deberta_jax.config import ModelConfig
-from deberta_jax.layers import dense
+from deberta_jax.kernels import blockwise, dropout
+from deberta_jax.model import positions
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.parameters import dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,6 @@ class SelfAttention(nnx.Module):
                 shared["bias"] = ctx.bias
         score_fn = ScoreFunction(key_len=k.shape[-2], rel_index=rel_index)
         dropout_key = rngs.dropout() if rngs is not None and cfg.attention_dropout > 0 else None
-        kernel = kernels.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
+        kernel = blockwise.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
         return merge_heads(kernel(score_fn, shared, keys, v, key_mask,
                                   dropout_rate=cfg.attention_dropout, dropout_key=dropout_key))

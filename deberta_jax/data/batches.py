@@ -1,6 +1,6 @@
 """Host-side masked-LM batches: the training batch of a step, and the fixed evaluation batches.
 
-Training batches are a pure function of (seed, step, process): rows from `data.get_batch`, masks
+Training batches are a pure function of (seed, step, process): rows from `packing.get_batch`, masks
 from `masking.masking_rng(seed, step, process_index)`. Nothing needs checkpointing besides the step.
 
 Evaluation scores fixed targets drawn once per position of the evaluation text (`EVAL_MASK_SEED`,
@@ -14,9 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from deberta_jax import data, evaluation
-from deberta_jax.masking import mask_tokens, masking_rng
-from deberta_jax.tokenizer import SpecialIds
+from deberta_jax.data import packing, targets
+from deberta_jax.data.masking import mask_tokens, masking_rng
+from deberta_jax.data.tokenizer import SpecialIds
+from deberta_jax.study import scoring
 
 EVAL_MASK_SEED = 0
 Batch = dict[str, np.ndarray]  # input_ids, attention_mask, labels (int32), weights (float32): [rows, seq_len]
@@ -31,7 +32,7 @@ class Masker:
     mask_prob: float
     whole_word_masking: bool
 
-    def __call__(self, rows: data.PackedData, rng: np.random.Generator) -> Batch:
+    def __call__(self, rows: packing.PackedData, rng: np.random.Generator) -> Batch:
         masked = mask_tokens(
             rows.input_ids, rows.attention_mask, self.special, self.vocab_size, rng,
             mask_prob=self.mask_prob, word_start=rows.word_start if self.whole_word_masking else None,
@@ -40,25 +41,25 @@ class Masker:
                     labels=masked.labels, weights=masked.weights)
 
 
-def train_batch(packed: data.PackedData, masker: Masker, *, batch_size: int, step: int, seed: int,
+def train_batch(packed: packing.PackedData, masker: Masker, *, batch_size: int, step: int, seed: int,
                 process_index: int, process_count: int) -> Batch:
     """This process's share of global training batch `step`, masked."""
-    rows = data.get_batch(packed, batch_size, step, seed, process_index, process_count)
+    rows = packing.get_batch(packed, batch_size, step, seed, process_index, process_count)
     return masker(rows, masking_rng(seed, step, process_index))
 
 
-def eval_batches(packed: data.PackedData, special: SpecialIds, *, batch_size: int, max_batches: int | None,
+def eval_batches(packed: packing.PackedData, special: SpecialIds, *, batch_size: int, max_batches: int | None,
                  process_index: int, process_count: int) -> list[Batch]:
     """This process's share of every evaluation batch: the first `max_batches * batch_size` rows (all if None).
 
     Targets are the fixed per-stream-position ones of `evaluation` (seed `EVAL_MASK_SEED`, every
-    target replaced by [MASK]), laid out by `evaluation.chunked_windows` exactly as `eval.py` lays
+    target replaced by [MASK]), laid out by `targets.chunked_windows` exactly as `eval.py` lays
     out its chunked protocol at the training length: the eval loss logged here is the 1x point of the
-    length evaluation. The last batch is filled up with copies of real rows whose weights are 0, so
+    length scoring. The last batch is filled up with copies of real rows whose weights are 0, so
     every batch has the same shape (one compilation) and the padding contributes nothing to the sums.
     """
-    corpus = evaluation.corpus_from_stream(packed_stream(packed), special, seed=EVAL_MASK_SEED)
-    windows = evaluation.chunked_windows(corpus, packed.seq_len)
+    corpus = targets.corpus_from_stream(packed_stream(packed), special, seed=EVAL_MASK_SEED)
+    windows = targets.chunked_windows(corpus, packed.seq_len)
     masked = dict(input_ids=windows.input_ids, attention_mask=windows.attention_mask, labels=windows.labels,
                   weights=windows.weights)
     num_rows = len(windows) if max_batches is None else min(len(windows), max_batches * batch_size)
@@ -69,13 +70,13 @@ def eval_batches(packed: data.PackedData, special: SpecialIds, *, batch_size: in
     padded["weights"][num_rows:] = 0.0
     batches = []
     for b in range(num_batches):
-        rows = data.process_share(np.arange(b * batch_size, (b + 1) * batch_size), process_index, process_count)
+        rows = packing.process_share(np.arange(b * batch_size, (b + 1) * batch_size), process_index, process_count)
         batches.append({name: x[rows] for name, x in padded.items()})
     return batches
 
 
-def packed_stream(packed: data.PackedData) -> np.ndarray:
-    """The token stream that `data.pack_stream` cut into `packed`'s rows.
+def packed_stream(packed: packing.PackedData) -> np.ndarray:
+    """The token stream that `packing.pack_stream` cut into `packed`'s rows.
 
     Content cells are columns 1..N-2; in the padded last row a cell holds content exactly when the
     cell after it is still real (the [SEP] closing that row is the last real cell).

@@ -1,8 +1,8 @@
 """Ablation sweeps: variants x seeds x training lengths -> training runs -> length evaluation -> report.
 
-    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py               # run everything here
-    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py --mode print  # one command per run
-    python -m deberta_jax.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py               # run everything here
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode print  # one command per run
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
 
 A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*`
 overrides, plus seeds, training lengths, overrides common to all runs, and the evaluation settings.
@@ -28,8 +28,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
-from deberta_jax import checkpoint, extrapolation, report
-from deberta_jax.text import load_documents
+from deberta_jax.data.text import load_documents
+from deberta_jax.study import length_study, report
+from deberta_jax.train import checkpoint
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
 flags.DEFINE_enum("mode", "run", ["run", "print", "report"],
@@ -107,9 +108,9 @@ def code_version(report_dir: str) -> str:
 EVAL_CACHE = "length_eval.json"
 
 
-def study_settings(sweep: config_dict.ConfigDict) -> extrapolation.StudySettings:
+def study_settings(sweep: config_dict.ConfigDict) -> length_study.StudySettings:
     ev = sweep.eval
-    return extrapolation.StudySettings(
+    return length_study.StudySettings(
         multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
         protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
         bootstrap=ev.bootstrap)
@@ -125,7 +126,7 @@ def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, setti
             cached = json.load(f)
         if cached.get("fingerprint") == fingerprint:
             return cached["records"], cached["skipped"]
-    records, skipped = extrapolation.run_study([load_model()], datasets, settings, corpora)
+    records, skipped = length_study.run_study([load_model()], datasets, settings, corpora)
     report.check_finite(records)
     tmp = cache_path + ".tmp"
     with open(tmp, "w") as f:
@@ -145,13 +146,13 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
     base = dict(settings=dataclasses.asdict(settings), data_files=sweep.eval.data_files.to_dict())
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
-    extrapolation.warn_if_unpaired(
+    length_study.warn_if_unpaired(
         (run["name"], pathlib.Path(run["workdir"], checkpoint.TOKENIZER_FILE).read_text()) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
         print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)
         recs, skips = cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, command=run["command"][1:]),
-                                   lambda run=run: extrapolation.load_workdir_model(run["workdir"]),
+                                   lambda run=run: length_study.load_workdir_model(run["workdir"]),
                                    datasets, settings, corpora)
         records += recs
         skipped += skips
@@ -159,14 +160,14 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     first = done[0]["workdir"]
     recs, _ = cached_study(
         os.path.join(sweep.workdir_root, "unigram_" + EVAL_CACHE), dict(base, counts_from=first),
-        lambda: extrapolation.unigram_reference(extrapolation.load_workdir_model(first)), datasets, settings, corpora)
+        lambda: length_study.unigram_reference(length_study.load_workdir_model(first)), datasets, settings, corpora)
     records += recs
     out = sweep.report_dir
     means, _, plots = report.write_report(records, skipped, out)
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
-        f"`{code_version(out)}` by `python -m deberta_jax.sweep --sweep {sweep.config_path} --mode run`.", "",
+        f"`{code_version(out)}` by `python -m deberta_jax.study.sweep --sweep {sweep.config_path} --mode run`.", "",
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy), "",

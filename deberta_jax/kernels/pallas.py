@@ -11,7 +11,7 @@ row index `idx` itself gathered from the per-distance table (`PositionContext.re
 arrives already rotated.
 
 Only the forward pass is fused. Gradients come from the blockwise kernel's FlashAttention backward
-(`kernels._online_softmax_bwd`), which recomputes each key block's scores from the log-sum-exp this
+(`blockwise._online_softmax_bwd`), which recomputes each key block's scores from the log-sum-exp this
 kernel saves, so training through it keeps memory linear in length too. There is no attention
 dropout in the fused pass (Triton has no generator matching `deberta_jax.dropout`): with a dropout
 rate and a dropout key (training) the call is refused with the fix.
@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from deberta_jax import kernels
+from deberta_jax.kernels import blockwise
 
 # Queries and keys per tile. Triton needs powers of two; 64 x 64 float32 scores plus the position
 # gathers fit a GPU thread block's registers with room to spare.
@@ -94,7 +94,7 @@ def _attention_kernel(*refs, has_c2p: bool, has_p2c: bool, has_bias: bool, relat
             scores += bias_ref[distance].astype(jnp.float32)
         key_positions = key_start + tile_rows
         real = mask_ref[keys] != 0
-        scores = jnp.where(real[None, :], scores, kernels.NEG_INF)
+        scores = jnp.where(real[None, :], scores, blockwise.NEG_INF)
         scores = jnp.where((key_positions < key_len)[None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         correction = jnp.exp(m - m_new)
@@ -115,7 +115,7 @@ def fused_forward(score_fn, n_k: int, shared: dict, key_blocks: dict, value_bloc
     """`(out, lse)` of attention over the blockwise kernel's key blocks, computed by the Pallas kernel.
 
     `score_fn` is an `attention.ScoreFunction` (its `key_len` and `rel_index` say which variant to
-    fuse); the other arguments are `kernels.blockwise_attention`'s, with keys, values and mask cut
+    fuse); the other arguments are `blockwise.blockwise_attention`'s, with keys, values and mask cut
     into blocks (undone here: the kernel tiles them itself). `out` is `[B, H, Nq, d]`, `lse`
     `[B, H, Nq]`, as the blockwise backward pass expects. `interpret` defaults to True except on GPUs.
     """
@@ -179,7 +179,7 @@ def fused_forward(score_fn, n_k: int, shared: dict, key_blocks: dict, value_bloc
 def pallas_attention(score_fn, shared, keys, v: jax.Array, key_mask: jax.Array, *, block_size: int,
                      dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
                      interpret: bool | None = None) -> jax.Array:
-    """`kernels.blockwise_attention` with the forward pass fused by Pallas (same arguments, same result
+    """`blockwise.blockwise_attention` with the forward pass fused by Pallas (same arguments, same result
     to float rounding); `block_size` sets the key blocks of the backward pass. `interpret=False` on a
     machine without a GPU still lowers the kernel to Triton (for a GPU target), which tests use."""
     if dropout_key is not None and dropout_rate > 0:
@@ -187,5 +187,5 @@ def pallas_attention(score_fn, shared, keys, v: jax.Array, key_mask: jax.Array, 
             f"attention_kernel='pallas' has no attention dropout, but attention_dropout={dropout_rate} in "
             "training; set model.attention_dropout=0 or train with attention_kernel='blockwise' or 'dense' "
             "(any kernel evaluates a trained model)")
-    return kernels.blockwise_attention(score_fn, shared, keys, v, key_mask, block_size=block_size,
+    return blockwise.blockwise_attention(score_fn, shared, keys, v, key_mask, block_size=block_size,
                                        forward=functools.partial(fused_forward, interpret=interpret))

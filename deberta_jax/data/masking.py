@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from deberta_jax.tokenizer import SpecialIds
+from deberta_jax.data.tokenizer import SpecialIds
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # arrays have no single truth value

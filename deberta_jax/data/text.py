@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 HF_PREFIX = "hf:"
-LOCAL_FILES_HINT = ("--config.data.train_files=../shared/data/brown/train.txt "
-                    "--config.data.eval_files=../shared/data/brown/valid.txt")
+# How a local data spec looks, for error messages (the command line that carries it is the caller's).
+LOCAL_FILES_EXAMPLE = "corpus/train.txt,more/*.txt"
 HUB_PROBE_TIMEOUT_S = 3.0
 
 # Top-level WikiText heading: exactly one "=" on each side (sections have "= =").
@@ -45,7 +45,7 @@ def resolve_files(spec: str) -> list[Path]:
     """
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if not parts:
-        raise ValueError(f"data spec {spec!r} names no files; pass e.g. {LOCAL_FILES_HINT}")
+        raise ValueError(f"data spec {spec!r} names no files; give paths or globs, e.g. {LOCAL_FILES_EXAMPLE!r}")
     files: list[Path] = []
     for part in parts:
         if any(ch in part for ch in "*?["):
@@ -66,7 +66,7 @@ def resolve_files(spec: str) -> list[Path]:
 def _missing_message(spec: str, part: str, what: str) -> str:
     return (
         f"data spec {spec!r}: {part}: {what} (relative paths are resolved from {os.getcwd()}); "
-        f"pass existing text files or globs, e.g. {LOCAL_FILES_HINT}"
+        f"give existing text files or globs, e.g. {LOCAL_FILES_EXAMPLE!r}"
     )
 
 
@@ -169,8 +169,8 @@ def _hub_probe_error(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
 def _unreachable_message(spec: str, reason: str) -> str:
     return (
         f"data spec {spec!r}: the Hugging Face Hub is unreachable ({reason}). "
-        f"Pass local text files instead, e.g. {LOCAL_FILES_HINT} "
-        "(comma-separated paths and globs work too); if the dataset is already in the local "
+        f"Give local text files as the data spec instead (comma-separated paths or globs, e.g. "
+        f"{LOCAL_FILES_EXAMPLE!r}); if the dataset is already in the local "
         "Hugging Face cache, set HF_HUB_OFFLINE=1 to read it from there."
     )
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from deberta_jax.config import ModelConfig
-from deberta_jax.model import MaskedLM
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 
 Params = dict[str, Any]
 

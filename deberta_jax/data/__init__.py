@@ -1,0 +1,6 @@
+"""Text to model inputs, all in numpy: corpora (`text`), the WordPiece tokenizer (`tokenizer`), packing into rows
+and the on-disk cache (`packing`), BERT masking (`masking`), training and evaluation batches (`batches`), and the
+fixed targets and windows of the length protocols (`targets`).
+
+Imports nothing else from deberta_jax: the data layer is the bottom of the stack.
+"""
