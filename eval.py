@@ -20,32 +20,37 @@ import os
 from absl import app, flags
 
 from deberta_jax.data.text import is_hf_spec, load_documents
-from deberta_jax.model.config import ATTENTION_KERNELS
+from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
 from deberta_jax.study import length_study, report
 
 FLAGS = flags.FLAGS
+_DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
+_csv = lambda values: [str(v) for v in values]  # noqa: E731
 flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
 flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories (with tokenizer.json) to evaluate.")
 flags.DEFINE_string("checkpoint", "latest", "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
-flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs) or hf:NAME[:CONFIG][:SPLIT]; repeat for several datasets.")
+flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs), hf:NAME[:CONFIG][:SPLIT] or "
+                          "synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")
 flags.DEFINE_string("out", None, "Output directory.")
-flags.DEFINE_list("lengths", [], "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
-flags.DEFINE_list("multiples", ["1", "2", "4", "8"], "Multiples of the training length L.")
-flags.DEFINE_list("extra", ["16", "64"], "Also evaluate at L + each of these.")
-flags.DEFINE_list("policies", ["untrained", "clip", "interpolate", "strict"],
-                  "Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table).")
-flags.DEFINE_list("protocols", list(length_study.PROTOCOLS), "chunked and/or fixed_target.")
-flags.DEFINE_integer("mask_seed", 0, "Seed of the fixed per-position targets (shared by all models).")
-flags.DEFINE_integer("tokens_per_batch", 16384, "Batch size in tokens; rows per batch = this // length.")
-flags.DEFINE_integer("max_eval_tokens", 0, "Use only the first this many tokens of each eval text (0 = all).")
-flags.DEFINE_integer("num_targets", 64, "Fixed-target protocol: number of target spans.")
-flags.DEFINE_integer("span", 0, "Fixed-target protocol: span length in tokens (0 = L // 4).")
-flags.DEFINE_integer("bootstrap", 1000, "Bootstrap resamples over documents for the 95% intervals.")
-flags.DEFINE_enum("attention_kernel", "dense", list(ATTENTION_KERNELS),
-                  "Attention kernel of every model: 'blockwise' keeps memory linear in length (same results to "
-                  "float rounding), for lengths whose dense [B, H, N, N] scores do not fit; 'pallas' is blockwise "
-                  "fused into one GPU kernel (interpret mode, slow, without a GPU).")
-flags.DEFINE_integer("attention_block_size", 512, "Keys per block of the blockwise kernel.")
+flags.DEFINE_list("lengths", _csv(_DEFAULTS.lengths),
+                  "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
+flags.DEFINE_list("multiples", _csv(_DEFAULTS.multiples), "Multiples of the training length L.")
+flags.DEFINE_list("extra", _csv(_DEFAULTS.extra), "Also evaluate at L + each of these.")
+flags.DEFINE_list("policies", _csv(_DEFAULTS.policies),
+                  f"Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table), "
+                  f"of {ABSOLUTE_POSITION_POLICIES}.")
+flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {length_study.PROTOCOLS}.")
+flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
+flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch, "Batch size in tokens; rows per batch = this // length.")
+flags.DEFINE_integer("max_eval_tokens", _DEFAULTS.max_eval_tokens, "Use only the first this many tokens of each eval text (0 = all).")
+flags.DEFINE_integer("num_targets", _DEFAULTS.num_targets, "Fixed-target protocol: number of target spans.")
+flags.DEFINE_integer("span", _DEFAULTS.span, "Fixed-target protocol: span length in tokens (0 = L // 4).")
+flags.DEFINE_integer("bootstrap", _DEFAULTS.bootstrap, "Bootstrap resamples over documents for the 95% intervals.")
+flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
+                  "Attention kernel of every model (default: each model's own): 'blockwise' keeps memory linear in "
+                  "length (same results to float rounding), for lengths whose dense [B, H, N, N] scores do not fit; "
+                  "'pallas' is blockwise fused into one GPU kernel (interpret mode, slow, without a GPU).")
+flags.DEFINE_integer("attention_block_size", None, "Keys per block of the blockwise kernel (default: each model's own).")
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.mark_flag_as_required("out")
 
@@ -64,23 +69,32 @@ def load_models(workdirs, checkpoints, step, **overrides) -> list[length_study.E
             + [length_study.load_hf_checkpoint(c, **overrides) for c in checkpoints])
 
 
+def _ints(flag: str) -> tuple[int, ...]:
+    """A list flag's values as integers, or a usage error naming the flag."""
+    try:
+        return tuple(int(v) for v in FLAGS[flag].value)
+    except ValueError:
+        raise app.UsageError(f"--{flag} takes integers, got {FLAGS[flag].value}") from None
+
+
 def main(argv):
     del argv
     if not FLAGS.workdir and not FLAGS.hf_checkpoint:
         raise app.UsageError("give at least one --workdir or --hf_checkpoint")
     if not FLAGS.data_files:
-        raise app.UsageError("give at least one --data_files, e.g. --data_files ../shared/data/brown/valid.txt")
-    step = FLAGS.checkpoint if FLAGS.checkpoint in ("latest", "best") else int(FLAGS.checkpoint)
-    step = None if step == "latest" else step
+        raise app.UsageError("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
+    if FLAGS.checkpoint not in ("latest", "best") and not FLAGS.checkpoint.isdigit():
+        raise app.UsageError(f"--checkpoint={FLAGS.checkpoint!r}: use 'latest', 'best' or a step number")
+    step = {"latest": None, "best": "best"}.get(FLAGS.checkpoint) or int(FLAGS.checkpoint)
     settings = length_study.StudySettings(
-        multiples=tuple(int(m) for m in FLAGS.multiples), extra=tuple(int(e) for e in FLAGS.extra),
-        lengths=tuple(int(n) for n in FLAGS.lengths), policies=tuple(FLAGS.policies),
+        multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
         max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
         bootstrap=FLAGS.bootstrap)
     datasets = {dataset_name(spec): load_documents(spec) for spec in FLAGS.data_files}
-    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, attention_kernel=FLAGS.attention_kernel,
-                         attention_block_size=FLAGS.attention_block_size)
+    overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
+                 if FLAGS[name].value is not None}
+    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
     if FLAGS.unigram and FLAGS.workdir:
         models.append(length_study.unigram_reference(models[0]))
     records, skipped = length_study.run_study(models, datasets, settings)

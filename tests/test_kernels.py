@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax.kernels import blockwise
+from deberta_jax.kernels import blockwise, dispatch
+from deberta_jax.kernels.dense import dense_attention
 from deberta_jax.kernels.pallas import pallas_attention
+from deberta_jax.kernels.scores import (NEG_INF, RelativeIndex, ScoreTerms, banded_relative_terms, relative_terms,
+                                        toeplitz)
 from deberta_jax.model import positions
-from deberta_jax.model.attention import ScoreFunction, banded_relative_terms, relative_terms
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 
@@ -22,32 +24,30 @@ B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
 
 
 def variant_inputs(variant, seed=0, n=N, d=D):
-    """(score_fn, shared, keys, v, key_mask) for one variant at length `n`, head size `d`; row 1 of
-    the batch ends in padding."""
+    """(terms, v, key_mask) for one variant at length `n`, head size `d`; row 1 of the batch ends in padding."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    shared, keys, rel_index = {"q": normal(B, H, n, d)}, {"k": normal(B, H, n, d)}, None
+    terms = ScoreTerms(q=normal(B, H, n, d), k=normal(B, H, n, d), key_len=n)
     if variant in ("disentangled", "c2p_only"):
-        shared["c2p"] = normal(B, H, n, R)
-        if variant == "disentangled":
-            keys["p2c"] = normal(B, H, n, R)
         rel_index = positions.relative_index_by_distance(n, n, position_buckets=R // 2, max_relative_positions=16)
+        terms = dataclasses.replace(terms, c2p=normal(B, H, n, R), relative=RelativeIndex(rel_index),
+                                    p2c=normal(B, H, n, R) if variant == "disentangled" else None)
     elif variant == "alibi":
-        shared["bias"] = positions.alibi_bias(n, n, H)
+        terms = dataclasses.replace(terms, bias=positions.alibi_bias(n, n, H))
     elif variant == "t5_bias":
-        shared["bias"] = positions.t5_bias(normal(8, H), n, n, 20)
+        terms = dataclasses.replace(terms, bias=positions.t5_bias(normal(8, H), n, n, 20))
     key_mask = np.ones((B, n), np.int32)
     key_mask[1, 29:] = 0
-    return ScoreFunction(key_len=n, rel_index=rel_index), shared, keys, normal(B, H, n, d), jnp.asarray(key_mask)
+    return terms, normal(B, H, n, d), jnp.asarray(key_mask)
 
 
-def outputs_and_grads(kernel, score_fn, shared, keys, v, key_mask, **kw):
+def outputs_and_grads(kernel, terms, v, key_mask, **kw):
     cotangent = jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32)
 
-    def loss(shared, keys, v):
-        out = kernel(score_fn, shared, keys, v, key_mask, **kw)
+    def loss(terms, v):
+        out = kernel(terms, v, key_mask, **kw)
         return jnp.sum(out * cotangent), out
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(shared, keys, v)
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(terms, v)
     return out, grads
 
 
@@ -67,8 +67,8 @@ VARIANTS = ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"]
 ])
 def test_kernel_equals_dense_outputs_and_gradients(variant, kernel, block_size):
     inputs = variant_inputs(variant)
-    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, *inputs)
-    out, grads = outputs_and_grads(blockwise.attention_kernel(kernel, block_size), *inputs)
+    dense_out, dense_grads = outputs_and_grads(dense_attention, *inputs)
+    out, grads = outputs_and_grads(dispatch.attention_kernel(kernel, block_size), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -79,7 +79,7 @@ def test_relative_terms_hand_written_gradient_equals_autodiff(terms):
     # by JAX. Non-square, so that query and key rows cannot be confused.
     n_q, n_k = 9, 13
     rel_index = positions.relative_index_by_distance(n_q, n_k, position_buckets=4, max_relative_positions=8)
-    index = positions.toeplitz(rel_index - rel_index.min(), np.arange(n_q), np.arange(n_k), n_k)
+    index = toeplitz(rel_index - rel_index.min(), np.arange(n_q), np.arange(n_k), n_k)
     rng = np.random.default_rng(4)
     tables = {"c2p": (B, H, n_q, 8), "p2c": (B, H, n_k, 8)}
     args = {name: jnp.asarray(rng.normal(size=tables[name]), jnp.float32) for name in terms}
@@ -104,7 +104,7 @@ def test_banded_relative_terms_equal_the_full_gather(clamp, start):
     rng = np.random.default_rng(1)
     c2p, p2c = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(2, 2, n, 16), (2, 2, block, 16)])
     key_positions = np.minimum(start + np.arange(block), n - 1)
-    full = relative_terms(c2p, p2c, positions.toeplitz(rel_index, np.arange(n), key_positions, n))
+    full = relative_terms(c2p, p2c, toeplitz(rel_index, np.arange(n), key_positions, n))
     banded = jax.jit(lambda kp: banded_relative_terms(c2p, p2c, rel_index, kp, n))(jnp.asarray(key_positions))
     np.testing.assert_allclose(banded, full, atol=1e-6)
 
@@ -117,12 +117,12 @@ def test_kernel_equals_dense_far_past_the_relative_table(kernel):
     rng = np.random.default_rng(2)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     rel_index = positions.relative_index_by_distance(n, n, position_buckets=8, max_relative_positions=16)
-    score_fn = ScoreFunction(key_len=n, rel_index=rel_index - rel_index.min())
-    shared, keys = dict(q=normal(1, 2, n, D), c2p=normal(1, 2, n, 15)), dict(k=normal(1, 2, n, D), p2c=normal(1, 2, n, 15))
+    terms = ScoreTerms(q=normal(1, 2, n, D), k=normal(1, 2, n, D), c2p=normal(1, 2, n, 15), p2c=normal(1, 2, n, 15),
+                       relative=RelativeIndex(rel_index - rel_index.min()), key_len=n)
     key_mask = jnp.asarray((np.arange(n) < 141)[None].astype(np.int32))
-    inputs = (score_fn, shared, keys, normal(1, 2, n, D), key_mask)
-    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, *inputs)
-    out, grads = outputs_and_grads(blockwise.attention_kernel(kernel, 16), *inputs)
+    inputs = (terms, normal(1, 2, n, D), key_mask)
+    dense_out, dense_grads = outputs_and_grads(dense_attention, *inputs)
+    out, grads = outputs_and_grads(dispatch.attention_kernel(kernel, 16), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -130,11 +130,10 @@ def test_kernel_equals_dense_far_past_the_relative_table(kernel):
 def test_blockwise_bfloat16_is_close_to_dense():
     # bfloat16 inputs: scores and softmax in float32 in both kernels, gradients of the shared inputs
     # accumulated over blocks in float32.
-    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
-    shared, keys, v = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (shared, keys, v))
-    dense_out, dense_grads = outputs_and_grads(blockwise.dense_attention, score_fn, shared, keys, v, key_mask)
-    block_out, block_grads = outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v, key_mask,
-                                               block_size=8)
+    terms, v, key_mask = variant_inputs("disentangled")
+    terms, v = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (terms, v))
+    dense_out, dense_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    block_out, block_grads = outputs_and_grads(blockwise.blockwise_attention, terms, v, key_mask, block_size=8)
     assert block_out.dtype == jnp.bfloat16
     to32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
     np.testing.assert_allclose(to32(block_out), to32(dense_out), atol=3e-2, rtol=3e-2)
@@ -143,33 +142,32 @@ def test_blockwise_bfloat16_is_close_to_dense():
 
 
 def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
-    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
+    terms, v, key_mask = variant_inputs("disentangled")
     rate, size, key = 0.3, 8, jax.random.key(3)
     blocks = -(-N // size)
     keep = jnp.concatenate([blockwise.dropout_keep(key, b, (B, H, N, size), rate) for b in range(blocks)], -1)[..., :N]
 
-    def reference(score_fn, shared, keys, v, key_mask):
-        scores = jnp.where(key_mask[:, None, None, :] > 0, score_fn(shared, keys, np.arange(N)), blockwise.NEG_INF)
+    def reference(terms, v, key_mask):
+        scores = jnp.where(key_mask[:, None, None, :] > 0, terms.scores(np.arange(N)), NEG_INF)
         probs = jnp.where(keep, jax.nn.softmax(scores, axis=-1) / (1 - rate), 0.0)
         return jnp.einsum("bhij,bhjd->bhid", probs, v)
 
-    ref_out, ref_grads = outputs_and_grads(reference, score_fn, shared, keys, v, key_mask)
-    out, grads = outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v, key_mask,
+    ref_out, ref_grads = outputs_and_grads(reference, terms, v, key_mask)
+    out, grads = outputs_and_grads(blockwise.blockwise_attention, terms, v, key_mask,
                                    block_size=size, dropout_rate=rate, dropout_key=key)
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, ref_grads, atol=1e-5)
-    assert not np.allclose(out, outputs_and_grads(blockwise.blockwise_attention, score_fn, shared, keys, v,
-                                                  key_mask, block_size=size)[0], atol=1e-3)
+    assert not np.allclose(out, outputs_and_grads(blockwise.blockwise_attention, terms, v, key_mask,
+                                                  block_size=size)[0], atol=1e-3)
 
 
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
 def test_fully_padded_row_matches_dense(kernel):
     # A row with no real key at all: every kernel averages every real-length key uniformly.
-    score_fn, shared, keys, v, _ = variant_inputs("entangled")
+    terms, v, _ = variant_inputs("entangled")
     key_mask = jnp.zeros((B, N), jnp.int32)
-    dense = blockwise.dense_attention(score_fn, shared, keys, v, key_mask)
-    np.testing.assert_allclose(blockwise.attention_kernel(kernel, 8)(score_fn, shared, keys, v, key_mask),
-                               dense, atol=1e-5)
+    dense = dense_attention(terms, v, key_mask)
+    np.testing.assert_allclose(dispatch.attention_kernel(kernel, 8)(terms, v, key_mask), dense, atol=1e-5)
 
 
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
@@ -205,17 +203,17 @@ def test_model_with_other_kernels_equals_dense(name, kernel):
 def compiled_temp_bytes(kernel, n, **kw):
     """XLA's scratch memory for the forward and backward pass of one disentangled attention call."""
     rel_index = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
-    score_fn = ScoreFunction(key_len=n, rel_index=rel_index)
-    shapes = [dict(q=(1, 2, n, 16), c2p=(1, 2, n, 64)), dict(k=(1, 2, n, 16), p2c=(1, 2, n, 64)), (1, 2, n, 16)]
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    terms = ScoreTerms(q=spec(1, 2, n, 16), k=spec(1, 2, n, 16), c2p=spec(1, 2, n, 64), p2c=spec(1, 2, n, 64),
+                       relative=RelativeIndex(rel_index), key_len=n)
 
-    def loss(shared, keys, v):
-        return jnp.sum(kernel(score_fn, shared, keys, v, jnp.ones((1, n), jnp.int32), **kw))
-    args = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    def loss(terms, v):
+        return jnp.sum(kernel(terms, v, jnp.ones((1, n), jnp.int32), **kw))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(terms, spec(1, 2, n, 16)).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_blockwise_memory_is_linear_in_length():
-    dense = compiled_temp_bytes(blockwise.dense_attention, 2048)
+    dense = compiled_temp_bytes(dense_attention, 2048)
     blocked = [compiled_temp_bytes(blockwise.blockwise_attention, n, block_size=128) for n in (1024, 2048)]
     assert dense > 8 * 2 * 2048 * 2048  # at least two [1, 2, N, N] float32 tensors
     assert blocked[1] < dense / 5  # measured: 17.7 MB against 134 MB
@@ -227,21 +225,21 @@ def test_pallas_kernel_lowers_to_triton_for_a_gpu(variant, d):
     # No GPU here: lowering for CUDA runs Pallas' Triton lowering of the kernel body (every op it uses
     # must have a Triton rule, gather loads included; every array a power of two, hence the padded
     # head of 48) without compiling it. The backward pass is plain XLA.
-    score_fn, shared, keys, v, key_mask = variant_inputs(variant, n=150, d=d)
+    terms, v, key_mask = variant_inputs(variant, n=150, d=d)
 
-    def loss(shared, keys, v, mask):
-        return pallas_attention(score_fn, shared, keys, v, mask, block_size=128, interpret=False).sum()
+    def loss(terms, v, mask):
+        return pallas_attention(terms, v, mask, block_size=128, interpret=False).sum()
     triton = "__gpu$xla.gpu.triton"
     exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
                                  disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
-        shared, keys, v, key_mask)
+        terms, v, key_mask)
     assert exported.mlir_module().count(f"@{triton}(") == 1  # the forward kernel, once
 
 
 def test_pallas_kernel_refuses_attention_dropout():
-    score_fn, shared, keys, v, key_mask = variant_inputs("disentangled")
+    terms, v, key_mask = variant_inputs("disentangled")
     with pytest.raises(ValueError, match="attention_dropout=0"):
-        pallas_attention(score_fn, shared, keys, v, key_mask, block_size=8, dropout_rate=0.1,
+        pallas_attention(terms, v, key_mask, block_size=8, dropout_rate=0.1,
                          dropout_key=jax.random.key(0))
 
 

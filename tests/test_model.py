@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from deberta_jax.model.config import ConfigError, ModelConfig
-from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.model.positions import PositionRangeError
 from tests.helpers import assert_padding_invariant
 
@@ -48,11 +48,21 @@ def test_absolute_table_beyond_training_length_follows_policy():
     with pytest.raises(PositionRangeError, match="policy"):
         model.mlm_logits(x)
     for policy in ("untrained", "clip", "interpolate"):
-        out = model(x, absolute_position_policy=policy)
+        out = with_options(model, absolute_position_policy=policy)(x)
         assert np.isfinite(np.asarray(out)).all()
     with pytest.raises(PositionRangeError, match="table"):
-        model(ids(1, 40), absolute_position_policy="untrained")
-    assert np.isfinite(np.asarray(model(ids(1, 40), absolute_position_policy="clip"))).all()
+        with_options(model, absolute_position_policy="untrained")(ids(1, 40))
+    assert np.isfinite(np.asarray(with_options(model, absolute_position_policy="clip")(ids(1, 40)))).all()
+
+
+def test_with_options_shares_parameters_and_refuses_changing_them():
+    model = build("bert", trained_length=16)
+    clipped = with_options(model, absolute_position_policy="clip", attention_kernel="blockwise")
+    assert clipped.cfg.absolute_position_policy == "clip" and model.cfg.absolute_position_policy == "strict"
+    assert clipped.embeddings.word_embeddings is model.embeddings.word_embeddings
+    np.testing.assert_allclose(clipped.mlm_logits(ids(1, 12)), model.mlm_logits(ids(1, 12)), atol=1e-5)
+    with pytest.raises(ValueError, match="changes the model's parameters"):
+        with_options(model, hidden_size=64, num_heads=4)
 
 
 def test_emd_changes_outputs_and_uses_the_absolute_table():

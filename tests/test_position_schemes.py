@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from deberta_jax.model import positions
-from deberta_jax.model.attention import entangled_scores
+from deberta_jax.kernels.scores import ScoreTerms, toeplitz
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from tests.helpers import assert_padding_invariant
@@ -80,7 +80,7 @@ def test_alibi_slopes_for_power_of_two_and_other_head_counts():
 
 def expand(bias_by_distance, n_q, n_k):
     """A per-distance bias `[H, n_q + n_k - 1]` as the `[H, n_q, n_k]` score bias it stands for."""
-    return positions.toeplitz(bias_by_distance, np.arange(n_q), np.arange(n_k), n_k)
+    return toeplitz(bias_by_distance, np.arange(n_q), np.arange(n_k), n_k)
 
 
 def test_alibi_bias_is_symmetric_negative_distance():
@@ -125,11 +125,13 @@ def _scores(variant, q, k):
     n, h = q.shape[-2], q.shape[1]
     if variant == "rope":
         pos = np.arange(n)
-        return entangled_scores(positions.apply_rope(q, pos, 10000.0), positions.apply_rope(k, pos, 10000.0))
-    if variant == "alibi":
-        return entangled_scores(q, k, expand(positions.alibi_bias(n, n, h), n, n))
-    table = jnp.asarray(np.random.default_rng(1).normal(size=(8, h)), jnp.float32)
-    return entangled_scores(q, k, expand(positions.t5_bias(table, n, n, 20), n, n))
+        terms = ScoreTerms(q=positions.apply_rope(q, pos, 10000.0), k=positions.apply_rope(k, pos, 10000.0), key_len=n)
+    elif variant == "alibi":
+        terms = ScoreTerms(q=q, k=k, bias=positions.alibi_bias(n, n, h), key_len=n)
+    else:
+        table = jnp.asarray(np.random.default_rng(1).normal(size=(8, h)), jnp.float32)
+        terms = ScoreTerms(q=q, k=k, bias=positions.t5_bias(table, n, n, 20), key_len=n)
+    return terms.scores(np.arange(n))
 
 
 @pytest.mark.parametrize("variant", ["rope", "alibi", "t5_bias"])

@@ -11,8 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from deberta_jax.kernels.dispatch import KERNELS
+
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
-ATTENTION_KERNELS = ("dense", "blockwise", "pallas")
+ATTENTION_KERNELS = KERNELS
 ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
 POS_ATT_TYPES = ("c2p", "p2c")
 NORM_REL_EBD = ("none", "layer_norm")
@@ -50,7 +52,7 @@ class ModelConfig:
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
-    "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.pallas_attention`;
+    "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.kernels.pallas`;
     interpret mode elsewhere; no attention dropout in training). All give the same results to float
     rounding and load the same parameters, so a model trained with one can be evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a

@@ -16,12 +16,15 @@ Dropout (and, with `randomized_positions`, the position sample) is active exactl
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from deberta_jax.kernels import dropout
+from deberta_jax.kernels.scores import RelativeIndex
 from deberta_jax.model import positions
 from deberta_jax.model.attention import PositionContext, SelfAttention
 from deberta_jax.model.config import ModelConfig
@@ -49,10 +52,10 @@ class Embeddings(nnx.Module):
         self.norm = layer_norm(cfg, rngs)
         self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
-    def absolute(self, ctx: PositionContext, policy: str) -> jax.Array:
+    def absolute(self, ctx: PositionContext) -> jax.Array:
         """Absolute position vectors `[1 or B, N, hidden]` for `ctx.position_ids`.
 
-        A learned table applies the out-of-range `policy` to positions `0..N-1`; sampled positions
+        A learned table applies `absolute_position_policy` to positions `0..N-1`; sampled positions
         lie below `random_position_max <= max_position_embeddings` (validated) and read their rows.
         """
         if self.cfg.absolute_embedding == "sinusoidal":
@@ -61,12 +64,12 @@ class Embeddings(nnx.Module):
             return jnp.take(self.position_embeddings[...], ctx.position_ids, axis=0)
         seq_len = ctx.position_ids.shape[-1]
         return positions.absolute_position_embeddings(
-            self.position_embeddings[...], seq_len, self.cfg.trained_positions, policy)[None]
+            self.position_embeddings[...], seq_len, self.cfg.trained_positions, self.cfg.absolute_position_policy)[None]
 
-    def __call__(self, input_ids, key_mask, token_type_ids, ctx: PositionContext, policy: str, rngs) -> jax.Array:
+    def __call__(self, input_ids, key_mask, token_type_ids, ctx: PositionContext, rngs) -> jax.Array:
         x = jnp.take(self.word_embeddings[...], input_ids, axis=0)
         if self.cfg.position_biased_input:
-            x = x + self.absolute(ctx, policy)
+            x = x + self.absolute(ctx)
         if self.token_type_embeddings is not None:
             x = x + jnp.take(self.token_type_embeddings[...], token_type_ids, axis=0)
         x = self.norm(x) * key_mask[..., None].astype(jnp.float32)
@@ -122,7 +125,7 @@ class Encoder(nnx.Module):
             ids = positions.random_positions(rngs.dropout(), batch, seq_len, cfg.random_position_max)
         else:
             ids = np.arange(seq_len, dtype=np.int32)[None]
-        bias = rel_embeddings = rel_index = None
+        bias = rel_embeddings = relative = None
         if cfg.attention == "alibi":
             bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads)
         elif cfg.attention == "t5_bias":
@@ -135,9 +138,9 @@ class Encoder(nnx.Module):
             if self.rel_norm is not None:
                 # Row-wise, so normalizing a slice equals slicing the normalized table.
                 rel_embeddings = self.rel_norm(rel_embeddings)
-            rel_index = positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo
+            relative = RelativeIndex(positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo)
         return PositionContext(position_ids=ids, sampled=sampled, bias=bias,
-                               rel_embeddings=rel_embeddings, rel_index=rel_index)
+                               rel_embeddings=rel_embeddings, relative=relative)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:
         """Run the first `num_layers` layers (all by default)."""
@@ -157,21 +160,19 @@ class MaskedLM(nnx.Module):
         self.head_norm = layer_norm(cfg, rngs)
         self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None,
-               absolute_position_policy: str | None = None) -> jax.Array:
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None) -> jax.Array:
         """Final hidden states `[B, N, hidden]` (float32) that the MLM head reads."""
         cfg = self.cfg
         input_ids, key_mask, token_type_ids = check_inputs(cfg, input_ids, attention_mask, token_type_ids)
-        policy = absolute_position_policy or cfg.absolute_position_policy
         ctx = self.encoder.position_context(*input_ids.shape, rngs=rngs)
-        hidden = self.embeddings(input_ids, key_mask, token_type_ids, ctx, policy, rngs)
+        hidden = self.embeddings(input_ids, key_mask, token_type_ids, ctx, rngs)
         if not cfg.use_emd:
             return self.encoder(hidden, key_mask, ctx, rngs=rngs)
         # EMD (microsoft/DeBERTa): keys/values are the input of the last layer; the query starts from
         # absolute positions plus that input and is refined by re-applying the last layer's weights.
         # The last layer's ordinary output is not used by the MLM loss, so it is not computed.
         hidden = self.encoder(hidden, key_mask, ctx, rngs=rngs, num_layers=cfg.num_layers - 1)
-        query = self.embeddings.absolute(ctx, policy) + hidden
+        query = self.embeddings.absolute(ctx) + hidden
         last = self.encoder.layers[cfg.num_layers - 1]
         for _ in range(cfg.emd_layers):
             query = last(hidden, key_mask, ctx, query_states=query, rngs=rngs)
@@ -190,16 +191,28 @@ class MaskedLM(nnx.Module):
         projection, the largest matmul of a small model."""
         return self.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None,
-                 absolute_position_policy: str | None = None) -> jax.Array:
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None) -> jax.Array:
         """MLM logits `[B, N, vocab]`; dropout only when `rngs` is given."""
-        return self.head(self.encode(input_ids, attention_mask, token_type_ids, rngs=rngs,
-                                     absolute_position_policy=absolute_position_policy))
+        return self.head(self.encode(input_ids, attention_mask, token_type_ids, rngs=rngs))
 
     def mlm_logits(self, input_ids, attention_mask=None, token_type_ids=None) -> jax.Array:
         """Deterministic MLM logits (the public contract used with `hf.load`)."""
         return self(input_ids, attention_mask, token_type_ids)
 
+
+def with_options(model: MaskedLM, **fields) -> MaskedLM:
+    """`model`'s parameters under its config with `fields` replaced: fields that change how the parameters are
+    used, not what they are (`attention_kernel`, `attention_block_size`, `absolute_position_policy`,
+    `clamp_relative_positions`), e.g. to evaluate a trained model past its training length. The parameters are
+    shared, not copied; a field that would change them raises ValueError."""
+    cfg = dataclasses.replace(model.cfg, **fields)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(params=0))))
+    state = nnx.state(model)
+    if jax.tree.structure(abstract) != jax.tree.structure(state) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state))):
+        raise ValueError(f"with_options({', '.join(sorted(fields))}) changes the model's parameters; only fields "
+                         "that leave them as they are can be replaced (kernel, block size, position policy, clamp)")
+    return nnx.merge(graphdef, state)
 
 def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):
     """Validate dtypes, shapes and (when the values are concrete) id ranges; fill defaults.

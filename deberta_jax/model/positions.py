@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deberta_jax.kernels.scores import distances, toeplitz
+
 
 def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: int) -> np.ndarray:
     """DeBERTa's log-bucketing of relative distances.
@@ -37,29 +39,6 @@ def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: in
     log_pos = np.ceil(np.log(abs_pos / np.float32(mid)) / denom * np.float32(mid - 1)) + np.float32(mid)
     bucket = np.where(abs_pos <= mid, rel.astype(np.float32), log_pos * sign.astype(np.float32))
     return bucket.astype(np.int32)
-
-
-def distances(query_len: int, key_len: int) -> np.ndarray:
-    """Every `i - j` of a `[query_len, key_len]` score matrix in increasing order (int32, `query_len + key_len - 1`).
-
-    A Toeplitz quantity (one that depends on `i - j` only) is stored as a vector over these distances
-    (entry `i - j + key_len - 1`) and expanded with `toeplitz`: `O(N)` memory and work to build
-    instead of `O(N^2)`, and blockwise attention reads only the entries a block of keys needs.
-    """
-    return np.arange(-(key_len - 1), query_len, dtype=np.int32)
-
-
-def toeplitz(table, query_positions, key_positions, key_len: int):
-    """Expand a per-distance `table` `[..., query_len + key_len - 1]` to `[..., Nq', Nk']` for the given
-    query and key positions (entry `[..., a, b]` = `table[..., q_a - k_b + key_len - 1]`).
-
-    Numpy in, numpy out (a constant of the traced program); traced positions (a block of keys inside
-    a loop) give a jnp gather. Positions must lie in `[0, query_len)` / `[0, key_len)`.
-    """
-    index = query_positions[:, None] - key_positions[None, :] + (key_len - 1)
-    if isinstance(table, np.ndarray) and isinstance(index, np.ndarray):
-        return table[..., index]
-    return jnp.take(jnp.asarray(table), index, axis=-1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -23,7 +23,7 @@ from deberta_jax.data import packing, targets
 from deberta_jax.data.tokenizer import SpecialIds
 from deberta_jax.model import hf
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
-from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.study import scoring
 from deberta_jax.study.reference import UnigramModel
 from deberta_jax.train import checkpoint
@@ -128,7 +128,9 @@ def policies_for(model, requested: Sequence[str]) -> list[str]:
 def scorer_for(model, policy: str) -> scoring.Scorer:
     if isinstance(model, UnigramModel):
         return model.scorer()
-    return scoring.make_scorer(model, None if policy == "none" else policy)
+    if policy != "none":
+        model = with_options(model, absolute_position_policy=policy)
+    return scoring.make_scorer(model)
 
 
 def refusal(model, policy: str, eval_len: int) -> str | None:

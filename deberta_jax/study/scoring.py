@@ -23,7 +23,7 @@ from deberta_jax.train import steps
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-def make_scorer(model, policy: str | None = None) -> Scorer:
+def make_scorer(model) -> Scorer:
     """A jitted `(ids, mask, positions, labels) -> (nll, correct)` for the flat positions `positions`
     of the `[B, N]` batch (their `labels` alike); compiles once per batch shape and count.
 
@@ -35,7 +35,7 @@ def make_scorer(model, policy: str | None = None) -> Scorer:
     @jax.jit
     def score(state, ids, mask, positions, labels):
         model = nnx.merge(graphdef, state)
-        logits = model.head_at(model.encode(ids, mask, absolute_position_policy=policy), positions)
+        logits = model.head_at(model.encode(ids, mask), positions)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # as in training
         return nll, jnp.argmax(logits, axis=-1) == labels
 

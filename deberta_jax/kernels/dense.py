@@ -1,0 +1,27 @@
+"""The dense kernel: every key at once, `[B, H, Nq, Nk]` scores and probabilities in memory.
+
+The fastest kernel while the scores fit; memory quadratic in length (the blockwise kernel is linear).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deberta_jax.kernels import dropout
+from deberta_jax.kernels.scores import ScoreTerms, mask_keys
+
+
+def dense_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
+                    dropout_rate: float = 0.0, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Softmax over all `Nk` keys; `v` `[B, H, Nk, d]`, `key_mask` `[B, Nk]` (1 = real token) -> `[B, H, Nq, d]`.
+
+    The softmax runs in float32 and only keys are masked, so outputs at real tokens do not depend on padding.
+    Dropout (when `dropout_key` is given) draws one mask of the probabilities' shape.
+    """
+    scores = terms.scores(np.arange(v.shape[-2])).astype(jnp.float32)
+    probs = jax.nn.softmax(mask_keys(scores, key_mask[:, None, None, :].astype(bool)), axis=-1)
+    if dropout_key is not None and dropout_rate > 0:
+        probs = dropout.apply(probs, dropout.keep_mask(dropout_key, probs.shape, dropout_rate), dropout_rate)
+    return jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), v)
