@@ -19,6 +19,7 @@ import os
 
 from absl import app, flags
 
+from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
 from deberta_jax.study import length_study, report
@@ -52,12 +53,14 @@ flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
                   "'pallas' is blockwise fused into one GPU kernel (interpret mode, slow, without a GPU).")
 flags.DEFINE_integer("attention_block_size", None, "Keys per block of the blockwise kernel (default: each model's own).")
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
+flags.DEFINE_bool("oracle", True, "Also score the Bayes-optimal oracle of every synthetic dataset (with the first "
+                  "model's tokenizer and training length).")
 flags.mark_flag_as_required("out")
 
 
 def dataset_name(spec: str) -> str:
-    """`../shared/data/brown/valid.txt` -> `brown/valid`; hub specs are kept as given."""
-    if is_hf_spec(spec):
+    """`corpora/brown/valid.txt` -> `brown/valid`; hub and synthetic specs are kept as given."""
+    if is_hf_spec(spec) or is_synthetic_spec(spec):
         return spec
     first = spec.split(",")[0]
     return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
@@ -91,12 +94,17 @@ def main(argv):
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
         max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
         bootstrap=FLAGS.bootstrap)
-    datasets = {dataset_name(spec): load_documents(spec) for spec in FLAGS.data_files}
+    specs = {dataset_name(spec): spec for spec in FLAGS.data_files}
+    datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
                  if FLAGS[name].value is not None}
     models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
+    references = []
     if FLAGS.unigram and FLAGS.workdir:
-        models.append(length_study.unigram_reference(models[0]))
+        references.append(length_study.unigram_reference(models[0]))
+    if FLAGS.oracle:
+        references += length_study.oracle_references(models[0], specs)
+    models += references
     records, skipped = length_study.run_study(models, datasets, settings)
     _, summary, plots = report.write_report(records, skipped, FLAGS.out)
     print(summary)

@@ -31,7 +31,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
-from deberta_jax.data import batches, packing
+from deberta_jax.data import batches, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import load_documents
 from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation
@@ -53,12 +53,16 @@ class NonFiniteError(FloatingPointError):
 
 
 def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
-    """The workdir's own tokenizer when resuming, else config.data.tokenizer, else one trained on train_files."""
+    """The workdir's own tokenizer when resuming, else config.data.tokenizer, else the symbol tokenizer of
+    synthetic train_files, else one trained on train_files."""
     own = workdir / checkpoint.TOKENIZER_FILE
     if own.is_file():
         return tokenizer_lib.load_tokenizer(own)
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
+    if synthetic.is_synthetic_spec(config.data.train_files):
+        logging.info("using the symbol tokenizer of %s (config.model.vocab_size is not used)", config.data.train_files)
+        return synthetic.tokenizer(config.data.train_files)
     logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
     return tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
 

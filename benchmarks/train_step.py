@@ -109,7 +109,7 @@ def _timed(fn) -> float:
 
 
 def synthetic_batch(cfg: ModelConfig, seq: int, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random tokens with 15% of positions masked (labels and weights as `input_pipeline` makes them)."""
+    """Random tokens with 15% of positions masked (labels and weights as `deberta_jax.data.batches` makes them)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, cfg.vocab_size, size=(batch, seq), dtype=np.int32)
     weights = (rng.random((batch, seq)) < MASK_PROB).astype(np.float32)
@@ -254,7 +254,8 @@ def main(argv=None) -> None:
         row[prefix + "tokens_per_s"] = round(tokens / min(elapsed), 1)
     for row in rows:
         row.update(matmul_peak_flops=round(best_peak),
-                   **{"mfu" + suffix: round(row["tokens_per_s"] * row["model_flops_per_token" + suffix] / best_peak, 3)
+                   # 4 significant digits: a micro model's MFU on a busy CPU is well below 1e-3
+                   **{"mfu" + suffix: float(f'{row["tokens_per_s"] * row["model_flops_per_token" + suffix] / best_peak:.4g}')
                       for suffix in ("", "_head_everywhere")})
         if args.compare_transformers:
             row["speedup_vs_torch"] = round(row["tokens_per_s"] / row["torch_tokens_per_s"], 3)

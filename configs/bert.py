@@ -1,8 +1,8 @@
 """BERT: entangled attention over word + learned absolute position embeddings.
 
     python train.py --config configs/bert.py:tiny --workdir runs/bert_tiny \
-        --config.data.train_files=../shared/data/brown/train.txt \
-        --config.data.eval_files=../shared/data/brown/valid.txt
+        --config.data.train_files=corpus/train.txt \
+        --config.data.eval_files=corpus/valid.txt
 
 Sizes: micro (tests), tiny, small, base (see configs/common.py).
 """

@@ -51,8 +51,8 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
     config.seed = 0
 
     config.data = config_dict.ConfigDict()
-    # Hub default per the issue; offline machines pass local files, e.g.
-    # --config.data.train_files=../shared/data/brown/train.txt --config.data.eval_files=../shared/data/brown/valid.txt
+    # Data specs: local files (comma-separated paths or globs), hf:NAME[:CONFIG][:SPLIT] (the default, WikiText-103
+    # from the Hub) or synthetic:TASK[:SPLIT][:PARAMS] (deberta_jax.data.synthetic).
     config.data.train_files = f"{WIKITEXT_103}:train"
     config.data.eval_files = f"{WIKITEXT_103}:validation"  # "" disables evaluation
     config.data.tokenizer = config_dict.placeholder(str)  # existing tokenizer.json; None trains one on train_files

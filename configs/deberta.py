@@ -1,8 +1,8 @@
 """DeBERTa (v2/v3 style): disentangled attention with log-bucketed relative positions, no absolute input.
 
     python train.py --config configs/deberta.py:tiny --workdir runs/deberta_tiny \
-        --config.data.train_files=../shared/data/brown/train.txt \
-        --config.data.eval_files=../shared/data/brown/valid.txt
+        --config.data.train_files=corpus/train.txt \
+        --config.data.eval_files=corpus/valid.txt
 
 Sizes: micro (tests), tiny, small, base (see configs/common.py).
 

@@ -67,6 +67,11 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     plan = ablation.get_config("smoke")
     plan.workdir_root, plan.report_dir = str(tmp_path / "runs"), str(tmp_path / "report")
     plan.config_path = "configs/sweeps/ablation.py:smoke"
+    for name in ("brown/valid.txt", "wikitext-2/test.txt"):  # the eval files under the sweep's data_dir
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).symlink_to(corpus / "valid.txt")
+    plan.data_dir = str(tmp_path / "data")
+    assert plan.eval.data_files["brown/valid"] == str(tmp_path / "data" / "brown/valid.txt")
     runs = sweep.planned_runs(plan)
     for variant, run in zip(plan.variants, runs):
         config = micro_variant_config(variant, corpus)

@@ -1,6 +1,8 @@
 """CPU-scale ablation: DeBERTa's score terms and EMD, and the position schemes of the length literature.
 
-    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --sweep.data_dir=DIR
+
+DIR holds brown/{train,valid}.txt and wikitext-2/test.txt (default `data/` in the repository).
 
 Every variant trains the same small encoder (2 layers, hidden 128, 4 heads, length 64, 800 steps of
 32 sequences = 1.6M tokens, about 1.3 epochs of Brown train) with 3 seeds, then is evaluated at 1x-8x
@@ -12,20 +14,15 @@ still improving, while BERT is still on it at 1,500, so more steps would not cha
 
 `:cpu` (default) is the set the ablation issue asks for, plus NoPE as a floor. `:full` adds the rest
 of the paper's Table 4 and the other position options (about 1.7x the cost).
-
-DeBERTa variants follow the paper's Table 4 (full = disentangled c2p + p2c with EMD); the baselines
-follow the length-generalization literature. The DeBERTa family config scales its relative table with
-the training length (buckets = L/2, max distance = L).
+The variants are `configs/sweeps/variants.py`'s.
 """
 
 from ml_collections import config_dict
 
-SHARED = "../shared/data"
+from configs.sweeps import variants
 
-
-def variant(name, config, **model):
-    """A run family: a model-family config plus `config.model` overrides."""
-    return config_dict.ConfigDict(dict(name=name, config=config, overrides=dict(model=model)))
+# Where brown/{train,valid}.txt and wikitext-2/test.txt live; override with --sweep.data_dir=DIR.
+DEFAULT_DATA_DIR = "data"
 
 
 def get_config(arg: str = "cpu"):
@@ -37,41 +34,22 @@ def get_config(arg: str = "cpu"):
         "Learned absolute tables (BERT, DeBERTa EMD) are shown with the 'clip' policy here; summary.md adds "
         "the 'untrained' policy and the fixed-target protocol. A unigram-frequency floor is scored on the same "
         "targets.")
-    deberta, bert = "configs/deberta.py:tiny", "configs/bert.py:tiny"
-    emd = dict(use_emd=True)
-    sweep.variants = [
-        variant("bert", bert),
-        variant("deberta", deberta, **emd),
-        variant("deberta-c2p", deberta, **emd, pos_att_type="p2c"),
-        variant("deberta-p2c", deberta, **emd, pos_att_type="c2p"),
-        variant("deberta-emd", deberta),
-        variant("rope", bert, attention="rope", position_biased_input=False),
-        variant("alibi", bert, attention="alibi", position_biased_input=False),
-        variant("t5-bias", bert, attention="t5_bias", position_biased_input=False),
-        variant("nope", bert, position_biased_input=False),
-    ]
+    sweep.data_dir = DEFAULT_DATA_DIR
+    data = sweep.get_ref("data_dir")
+    sweep.variants = variants.core()
     if arg == "full":
-        sweep.variants += [
-            variant("deberta-emd-c2p", deberta, pos_att_type="p2c"),
-            variant("deberta-emd-p2c", deberta, pos_att_type="c2p"),
-            variant("deberta-no-buckets", deberta, **emd, position_buckets=0),
-            variant("deberta-separate-keys", deberta, **emd, share_att_key=False),
-            variant("deberta-emd-abs-input", deberta, position_biased_input=True),  # EMD needs it off
-            variant("sinusoidal", bert, absolute_embedding="sinusoidal"),
-            variant("bert-randomized", bert, randomized_positions=True),
-        ]
+        sweep.variants += variants.deberta_extras() + variants.absolute_baselines()
     sweep.seeds = [0, 1, 2]
     sweep.seq_lens = [64]
+    recipe = variants.recipe()
+    recipe["model"]["vocab_size"] = 4096
     sweep.common_overrides = config_dict.ConfigDict(dict(
-        data=dict(train_files=f"{SHARED}/brown/train.txt", eval_files=f"{SHARED}/brown/valid.txt"),
-        model=dict(num_layers=2, hidden_size=128, num_heads=4, intermediate_size=512, vocab_size=4096),
-        train=dict(num_steps=800, batch_size=32, learning_rate=1e-3, warmup_steps=80, eval_every=400,
-                   checkpoint_every=400, log_every=50)))
+        data=dict(train_files=data + "/brown/train.txt", eval_files=data + "/brown/valid.txt"), **recipe))
     sweep.workdir_root = "runs/ablation"
     sweep.report_dir = "results/ablation"
     sweep.table_policy = "clip"
     sweep.eval = config_dict.ConfigDict(dict(
-        data_files={"brown/valid": f"{SHARED}/brown/valid.txt", "wikitext-2/test": f"{SHARED}/wikitext-2/test.txt"},
+        data_files={"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
         multiples=[1, 2, 4, 8], extra=[], policies=["untrained", "clip"],
         protocols=["chunked", "fixed_target"], max_eval_tokens=30000, num_targets=32, bootstrap=1000))
     if arg == "smoke":  # seconds: for tests of the runner

@@ -1,6 +1,7 @@
 """Text to model inputs, all in numpy: corpora (`text`), the WordPiece tokenizer (`tokenizer`), packing into rows
-and the on-disk cache (`packing`), BERT masking (`masking`), training and evaluation batches (`batches`), and the
-fixed targets and windows of the length protocols (`targets`).
+and the on-disk cache (`packing`), BERT masking (`masking`), training and evaluation batches (`batches`), the
+fixed targets and windows of the length protocols (`targets`), and generated corpora with known structure for
+position diagnostics (`synthetic`).
 
 Imports nothing else from deberta_jax: the data layer is the bottom of the stack.
 """

@@ -17,7 +17,6 @@ import numpy as np
 from deberta_jax.data import packing, targets
 from deberta_jax.data.masking import mask_tokens, masking_rng
 from deberta_jax.data.tokenizer import SpecialIds
-from deberta_jax.study import scoring
 
 EVAL_MASK_SEED = 0
 Batch = dict[str, np.ndarray]  # input_ids, attention_mask, labels (int32), weights (float32): [rows, seq_len]
@@ -52,10 +51,10 @@ def eval_batches(packed: packing.PackedData, special: SpecialIds, *, batch_size:
                  process_index: int, process_count: int) -> list[Batch]:
     """This process's share of every evaluation batch: the first `max_batches * batch_size` rows (all if None).
 
-    Targets are the fixed per-stream-position ones of `evaluation` (seed `EVAL_MASK_SEED`, every
+    Targets are the fixed per-stream-position ones of `targets` (seed `EVAL_MASK_SEED`, every
     target replaced by [MASK]), laid out by `targets.chunked_windows` exactly as `eval.py` lays
     out its chunked protocol at the training length: the eval loss logged here is the 1x point of the
-    length scoring. The last batch is filled up with copies of real rows whose weights are 0, so
+    length evaluation. The last batch is filled up with copies of real rows whose weights are 0, so
     every batch has the same shape (one compilation) and the padding contributes nothing to the sums.
     """
     corpus = targets.corpus_from_stream(packed_stream(packed), special, seed=EVAL_MASK_SEED)

@@ -26,6 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from deberta_jax.data import synthetic
 from deberta_jax.data.text import is_hf_spec, load_documents, resolve_files
 from deberta_jax.data.tokenizer import CONTINUATION_PREFIX, SpecialIds
 
@@ -129,7 +130,10 @@ def pack_documents(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int)
 
 
 def _source_fingerprint(spec: str) -> object:
-    """What identifies the input text: the spec itself for Hub data, else each file's path, size and mtime."""
+    """What identifies the input text: the spec itself for Hub data, the canonical spec and generator version
+    for synthetic data, else each file's path, size and mtime."""
+    if synthetic.is_synthetic_spec(spec):
+        return {"synthetic": synthetic.canonical_spec(spec), "generator": synthetic.GENERATOR_VERSION}
     if is_hf_spec(spec):
         return {"hf": spec}
     return [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in resolve_files(spec)]

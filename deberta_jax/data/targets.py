@@ -88,7 +88,7 @@ def _windows_from_positions(corpus: EvalCorpus, stream_pos: np.ndarray, attentio
 
 
 def chunked_windows(corpus: EvalCorpus, seq_len: int) -> Windows:
-    """The stream cut into windows exactly as training packs it (`data.pack_stream`)."""
+    """The stream cut into windows exactly as training packs it (`packing.pack_stream`)."""
     check_seq_len(seq_len)
     # Packing the stream *positions* with -1 for every special cell reuses the training layout exactly.
     stream_pos, attention_mask = pack_stream(np.arange(len(corpus.tokens), dtype=np.int32), _NO_SPECIALS, seq_len)

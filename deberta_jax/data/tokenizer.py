@@ -50,7 +50,7 @@ class SpecialIds:
         return (self.pad, self.unk, self.cls, self.sep, self.mask)
 
 
-def _configure(tokenizer: Tokenizer, lowercase: bool) -> Tokenizer:
+def configure(tokenizer: Tokenizer, lowercase: bool) -> Tokenizer:
     """Sets BERT's normalizer, pre-tokenizer, decoder and `[CLS] A [SEP]` template in place."""
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -99,7 +99,7 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, lowercase: bool =
         raise ValueError(f"vocab_size={vocab_size} leaves no room besides the {len(SPECIAL_TOKENS)} special tokens")
     if not documents:
         raise ValueError("cannot train a tokenizer on zero documents")
-    scratch = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase)
+    scratch = configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         special_tokens=[*SPECIAL_TOKENS, *_continuation_tokens(documents, scratch)],
@@ -113,7 +113,7 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, lowercase: bool =
     model = models.WordPiece(
         vocab=scratch.get_vocab(), unk_token="[UNK]", continuing_subword_prefix=CONTINUATION_PREFIX
     )
-    tokenizer = _configure(Tokenizer(model), lowercase)
+    tokenizer = configure(Tokenizer(model), lowercase)
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
 

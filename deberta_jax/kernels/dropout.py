@@ -2,12 +2,11 @@
 
 `jax.random.bernoulli` spends a full 32-bit draw on every element (a float32 uniform). With
 threefry, JAX's default generator and the one whose bits do not depend on how an array is sharded,
-the masks (hidden and attention dropout) took about 8% of a tiny BERT train step on this project's
-2-core CPU, and 3% with the masks below (benchmarks/README.md). Comparing each 16-bit half of a 32-bit draw with `round(rate * 2**16)`
-gives the same Bernoulli distribution for half the generator work, with the rate rounded to a
-multiple of 2**-16 (0.1 becomes 0.1000061); kept values are scaled by the rounded keep
-probability, so the output stays unbiased. The bits are still a pure function of the key, so
-resumed runs and 1-vs-8-device runs draw the same masks.
+drawing the masks is a visible share of a small model's train step on CPU (benchmarks/README.md has the
+figures). Comparing each 16-bit half of a 32-bit draw with `round(rate * 2**16)` gives the same Bernoulli
+distribution for half the generator work, with the rate rounded to a multiple of 2**-16 (0.1 becomes
+0.1000061); kept values are scaled by the rounded keep probability, so the output stays unbiased. The bits
+are still a pure function of the key, so resumed runs and 1-vs-8-device runs draw the same masks.
 """
 
 from __future__ import annotations

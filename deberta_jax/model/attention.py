@@ -68,8 +68,8 @@ def relative_products(x: jax.Array, table: jax.Array) -> jax.Array:
 
     DeBERTa's c2p (queries against position keys) and p2c (keys against position queries). Written as
     one `[B*N, d] x [d, R]` matmul per head, heads leading, rather than the equivalent
-    `einsum("bhid,hrd->bhir")`: XLA's CPU backend runs the latter (a batch axis that is not leading
-    on one side, shared by the other) 1.6x slower forward and backward (benchmarks/README.md).
+    `einsum("bhid,hrd->bhir")`, which XLA's CPU backend runs markedly slower (a batch axis that is not
+    leading on one side, shared by the other); the figures are in benchmarks/README.md.
     """
     b, h, n, d = x.shape
     rows = jnp.swapaxes(x, 0, 1).reshape(h, b * n, d)

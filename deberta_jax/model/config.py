@@ -1,7 +1,7 @@
 """Model configuration: one frozen dataclass, validated once when it is built.
 
 The model code reads only `ModelConfig`; experiment configs (`configs/*.py`, ml_collections) are
-converted with `ModelConfig.from_dict`, and transformers checkpoints with `deberta_jax.hf`. Validation
+converted with `ModelConfig.from_dict`, and transformers checkpoints with `deberta_jax.model.hf`. Validation
 lives here so a bad sweep value fails at start-up with the field's name, not deep inside a jit trace.
 """
 
@@ -65,10 +65,12 @@ class ModelConfig:
 
     Relative-position knobs (`position_buckets`, `max_relative_positions`, `share_att_key`,
     `norm_rel_ebd`) follow transformers' DebertaV2Config names so checkpoints map one to one.
-    `clamp_relative_positions=True` (the official microsoft/DeBERTa behaviour and our default) clamps
-    `i - j` to `+-(max_relative_positions - 1)` before bucketing, so every distance, however long the
-    sequence, reads a trained row of the relative table. False reproduces transformers, which does not
-    clamp and so reads table row 0 (never trained) for `j - i >= max_relative_positions`.
+    `clamp_relative_positions=True` (our default) clamps `i - j` to `+-(max_relative_positions - 1)`
+    before bucketing, so every distance, however long the sequence, reads a trained row of the relative
+    table. With log buckets (`position_buckets > 0`) that is what the official microsoft/DeBERTa code does
+    (inside its bucketing); without buckets the official code does not clamp, so there the clamp is this
+    project's own option. False reproduces transformers (and the official code without buckets), which
+    reads table row 0 (never trained) for `j - i >= max_relative_positions`.
 
     `absolute_position_policy` says what the learned absolute table (BERT's input table, DeBERTa's EMD
     table) does at positions `>= trained_length`: "strict" raises, "untrained" reads the rows that

@@ -7,8 +7,8 @@ MLM never reads, such as BERT's pooler), and shapes must agree. Anything else ra
 naming the key, because a silently partial load produces a model that looks fine and is wrong.
 
 Relative positions are loaded with `clamp_relative_positions=False`, transformers' own behaviour, so
-logits match it exactly; set it back to True (the official microsoft/DeBERTa behaviour) to study long
-sequences without reading the untrained row 0 of the relative table.
+logits match it exactly; set it back to True (the official microsoft/DeBERTa behaviour with log buckets)
+to study long sequences without reading the untrained row 0 of the relative table.
 """
 
 from __future__ import annotations

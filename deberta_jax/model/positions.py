@@ -55,11 +55,13 @@ def relative_index_by_distance(
     The same index serves content-to-position and position-to-content (the reference code's p2c index
     `-bucket(j - i)` equals `bucket(i - j)` because the bucketing is odd-symmetric).
 
-    With `clamp=True` (our default, as in the official microsoft/DeBERTa code) distances are first
-    clamped to `+-(max_relative_positions - 1)`: a sequence longer than anything seen in training
-    reuses the outermost trained bucket. With `clamp=False` (transformers) they are not, and the final
-    clip to `[0, 2k - 1]` sends `j - i >= max_relative_positions` to row 0, which no in-range distance
-    ever uses and so was never trained. Either way the index is always valid: never NaN rows.
+    With `clamp=True` (our default) distances are first clamped to `+-(max_relative_positions - 1)`:
+    a sequence longer than anything seen in training reuses the outermost trained bucket. The official
+    microsoft/DeBERTa code clamps the same way with log buckets (inside `make_log_bucket_position`) but
+    not without them (`position_buckets=0`), where the clamp is this project's own option. With
+    `clamp=False` (transformers) distances are not clamped, and the final clip to `[0, 2k - 1]` sends
+    `j - i >= max_relative_positions` to row 0, which no in-range distance ever uses and so was never
+    trained. Either way the index is always valid: never NaN rows.
     """
     rel = distances(query_len, key_len)
     if clamp:

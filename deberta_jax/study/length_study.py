@@ -19,13 +19,13 @@ import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
-from deberta_jax.data import packing, targets
+from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.tokenizer import SpecialIds
 from deberta_jax.model import hf
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.study import scoring
-from deberta_jax.study.reference import UnigramModel
+from deberta_jax.study.reference import OracleModel, UnigramModel
 from deberta_jax.train import checkpoint
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
@@ -40,9 +40,10 @@ class EvalModel:
     label: str  # runs differing only in seed share a label
     seed: int | str
     source: str  # workdir or checkpoint path
-    model: object  # MaskedLM
+    model: object  # MaskedLM, or a reference model (UnigramModel, OracleModel)
     tokenizer: object
     train_len: int
+    dataset: str | None = None  # score only this dataset (an oracle knows one task); None: every dataset
 
 
 def run_label(workdir: str) -> str:
@@ -60,7 +61,7 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
 def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
     """A transformers `save_pretrained` directory (with its `tokenizer.json`) as an `EvalModel`.
 
-    Loaded with the official clamp of relative distances, since lengths past training are the point
+    Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past training are the point
     here; its training length is taken to be `max_position_embeddings` (512 for published models).
     """
     tokenizer_path = os.path.join(path, "tokenizer.json")
@@ -80,6 +81,14 @@ def unigram_reference(em: EvalModel) -> EvalModel:
     stream = packed.input_ids[packed.attention_mask > 0]
     unigram = UnigramModel(stream[~np.isin(stream, special.all)], em.tokenizer.get_vocab_size(), special)
     return EvalModel("unigram", "-", f"unigram({em.source})", unigram, em.tokenizer, em.train_len)
+
+
+def oracle_references(em: EvalModel, datasets: dict[str, str]) -> list[EvalModel]:
+    """The Bayes-optimal oracle of every synthetic dataset in `datasets` (name -> data spec), scored with
+    `em`'s tokenizer and training length (the windows and targets of `em`'s rows)."""
+    return [EvalModel("oracle", "-", f"oracle({spec})", OracleModel(spec, em.tokenizer), em.tokenizer, em.train_len,
+                      dataset=name)
+            for name, spec in datasets.items() if synthetic.is_synthetic_spec(spec)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +135,7 @@ def policies_for(model, requested: Sequence[str]) -> list[str]:
 
 
 def scorer_for(model, policy: str) -> scoring.Scorer:
-    if isinstance(model, UnigramModel):
+    if isinstance(model, (UnigramModel, OracleModel)):
         return model.scorer()
     if policy != "none":
         model = with_options(model, absolute_position_policy=policy)
@@ -212,6 +221,8 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
         bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)
         span = settings.span or max(em.train_len // 4, 1)
         for dataset, documents in datasets.items():
+            if em.dataset not in (None, dataset):
+                continue
             key = (dataset, em.tokenizer.to_str())
             if key not in corpora:
                 corpus = targets.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)

@@ -28,6 +28,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
+from deberta_jax.data import synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint
@@ -156,18 +157,26 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
                                    datasets, settings, corpora)
         records += recs
         skipped += skips
-    # The floor every variant must beat: unigram counts from the (shared) training files and tokenizer.
+    # The floor every variant must beat (unigram counts from the shared training files and tokenizer) and, for
+    # synthetic data, the oracle no variant can beat, on the first run's windows.
     first = done[0]["workdir"]
     recs, _ = cached_study(
         os.path.join(sweep.workdir_root, "unigram_" + EVAL_CACHE), dict(base, counts_from=first),
         lambda: length_study.unigram_reference(length_study.load_workdir_model(first)), datasets, settings, corpora)
     records += recs
+    for i, (name, spec) in enumerate(sweep.eval.data_files.items()):
+        if synthetic.is_synthetic_spec(spec):
+            recs, _ = cached_study(
+                os.path.join(sweep.workdir_root, f"oracle{i}_" + EVAL_CACHE), dict(base, oracle=spec, windows_from=first),
+                lambda name=name, spec=spec: length_study.oracle_references(
+                    length_study.load_workdir_model(first), {name: spec})[0], datasets, settings, corpora)
+            records += recs
     out = sweep.report_dir
     means, _, plots = report.write_report(records, skipped, out)
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
-        f"`{code_version(out)}` by `python -m deberta_jax.study.sweep --sweep {sweep.config_path} --mode run`.", "",
+        f"`{code_version(out)}` by `{sweep_command(sweep)}`.", "",
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy), "",
@@ -181,6 +190,14 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
+
+
+def sweep_command(sweep: config_dict.ConfigDict) -> str:
+    """The command that runs this sweep, with its data location when the config has one."""
+    command = ["python", "-m", "deberta_jax.study.sweep", "--sweep", sweep.config_path]
+    if "data_dir" in sweep:
+        command.append(f"--sweep.data_dir={sweep.data_dir}")
+    return shlex.join(command + ["--mode", "run"])
 
 
 def main(argv):

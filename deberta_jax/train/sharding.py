@@ -27,7 +27,7 @@ def make_mesh(fsdp: int = 1) -> Mesh:
 
     Auto axes let XLA propagate shardings from the jit boundary, so the step's reshapes of the
     batch (micro-batches) need no annotations. `fsdp` must divide the device count
-    (`run_config.validate` checks it first, naming the config field).
+    (`train.validation.validate` checks it first, naming the config field).
     """
     count = jax.device_count()
     if fsdp < 1 or count % fsdp:

@@ -3,7 +3,7 @@
 All state lives in one pytree, `TrainState(step, params, opt_state)`, with `params` a plain nested
 dict (`nnx.to_pure_dict`) that `nnx.merge(graphdef, params)` turns back into a `MaskedLM` inside the
 traced functions. Everything random is derived from (seed, step): the dropout key here, the data
-order and the masks on the host (`input_pipeline`). A checkpoint therefore needs only the step,
+order and the masks on the host (`deberta_jax.data.batches`). A checkpoint therefore needs only the step,
 the parameters and the optimizer state for a resumed run to continue bit for bit.
 """
 
@@ -53,7 +53,7 @@ def prediction_budget(num_tokens: int, mask_prob: float) -> int:
     """How many positions of a batch of `num_tokens` the MLM head scores: a static bound on the masked count.
 
     Scoring only the masked positions (about 15%) instead of all of them skips most of the vocabulary
-    projection, the largest matmul of a small model (about 30% of a tiny model's step on CPU). Shapes
+    projection, the largest matmul of a small model (benchmarks/README.md). Shapes
     must be static while the masked count is random, so the budget is its mean plus 8 standard
     deviations (the variance taken as twice the token-level one, for whole-word masking's multi-piece
     words). Batches over budget are counted in `dropped`, which stops the run rather than skewing it.

@@ -1,0 +1,58 @@
+"""The run families that sweeps share: DeBERTa's ablations (the paper's Table 4) and the position schemes of the
+length-generalization literature, each a model-family config plus `config.model` overrides.
+
+DeBERTa variants follow Table 4 (full = disentangled c2p + p2c with EMD). The DeBERTa family config scales its
+relative table with the training length (buckets = L/2, max distance = L); BERT's absolute table has 512 rows, so
+its untrained rows past L exist for the length study's "untrained" policy.
+"""
+
+from ml_collections import config_dict
+
+DEBERTA, BERT = "configs/deberta.py:tiny", "configs/bert.py:tiny"
+_EMD = dict(use_emd=True)
+
+
+def variant(name, config, **model):
+    """A run family: a model-family config plus `config.model` overrides."""
+    return config_dict.ConfigDict(dict(name=name, config=config, overrides=dict(model=model)))
+
+
+def core():
+    """BERT, DeBERTa with each Table 4 ablation, the relative schemes of the literature, and NoPE as a floor."""
+    return [
+        variant("bert", BERT),
+        variant("deberta", DEBERTA, **_EMD),
+        variant("deberta-c2p", DEBERTA, **_EMD, pos_att_type="p2c"),
+        variant("deberta-p2c", DEBERTA, **_EMD, pos_att_type="c2p"),
+        variant("deberta-emd", DEBERTA),
+        variant("rope", BERT, attention="rope", position_biased_input=False),
+        variant("alibi", BERT, attention="alibi", position_biased_input=False),
+        variant("t5-bias", BERT, attention="t5_bias", position_biased_input=False),
+        variant("nope", BERT, position_biased_input=False),
+    ]
+
+
+def absolute_baselines():
+    """The other absolute schemes: Vaswani's sinusoids and randomized positions (Ruoss et al. 2023)."""
+    return [
+        variant("sinusoidal", BERT, absolute_embedding="sinusoidal"),
+        variant("bert-randomized", BERT, randomized_positions=True),
+    ]
+
+
+def deberta_extras():
+    """The rest of Table 4 and DeBERTa's other position options."""
+    return [
+        variant("deberta-emd-c2p", DEBERTA, pos_att_type="p2c"),
+        variant("deberta-emd-p2c", DEBERTA, pos_att_type="c2p"),
+        variant("deberta-no-buckets", DEBERTA, **_EMD, position_buckets=0),
+        variant("deberta-separate-keys", DEBERTA, **_EMD, share_att_key=False),
+        variant("deberta-emd-abs-input", DEBERTA, position_biased_input=True),  # EMD needs it off
+    ]
+
+
+def recipe():
+    """The shared CPU-scale recipe: a 2 x 128 encoder (4 heads) trained at length 64 for 800 steps of 32 rows."""
+    return dict(model=dict(num_layers=2, hidden_size=128, num_heads=4, intermediate_size=512),
+                train=dict(num_steps=800, batch_size=32, learning_rate=1e-3, warmup_steps=80, eval_every=400,
+                           checkpoint_every=400, log_every=50))
