@@ -32,6 +32,7 @@ def test_flops_per_token_of_bert_tiny():
     assert train_step.model_flops_per_token(deberta, 128, 16) > train_step.model_flops_per_token(cfg, 128, 16)
 
 
+@pytest.mark.slow  # runs the script end to end
 def test_train_step_benchmark_prints_a_json_line_per_case_with_the_torch_comparison():
     out = run_script("train_step.py", "--model", "bert,deberta", "--size", "micro", "--seq", "32", "--batch", "2",
                      "--warmup", "0", "--steps", "1", "--compare-transformers")
@@ -43,6 +44,7 @@ def test_train_step_benchmark_prints_a_json_line_per_case_with_the_torch_compari
         assert 0 < row["mfu"] <= row["mfu_head_everywhere"]
 
 
+@pytest.mark.slow  # runs the script end to end
 def test_profile_step_attributes_the_step_to_categories():
     out = run_script("profile_step.py", "--model", "deberta", "--size", "micro", "--seq", "32", "--batch", "2",
                      "--steps", "1", "--top", "1")

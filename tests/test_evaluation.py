@@ -76,6 +76,7 @@ def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
     assert len(reference) > 10
 
 
+@pytest.mark.slow
 def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
     model = tiny(tok, attention="disentangled")
     windows = targets.chunked_windows(corpus, 16)
@@ -98,6 +99,7 @@ def test_scored_counts_cover_the_targets_with_one_shape_per_batch_size():
     assert scoring.scored_count(16384, 5000) == 5056
 
 
+@pytest.mark.slow
 def test_policies_are_reported_not_silently_nan(docs, tok):
     bert = tiny(tok, attention="entangled", position_biased_input=True)
     models = [length_study.EvalModel("bert", 0, "a", bert, tok, 16)]

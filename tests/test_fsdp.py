@@ -74,6 +74,7 @@ print("fsdp losses", fsdp_losses)
 """
 
 
+@pytest.mark.slow
 def test_fsdp_on_eight_devices_matches_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO)

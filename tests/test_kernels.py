@@ -141,6 +141,7 @@ def test_blockwise_bfloat16_is_close_to_dense():
         np.testing.assert_allclose(got, want, atol=0.1, rtol=5e-2)
 
 
+@pytest.mark.slow
 def test_blockwise_dropout_is_dense_attention_with_the_blocks_masks():
     terms, v, key_mask = variant_inputs("disentangled")
     rate, size, key = 0.3, 8, jax.random.key(3)
@@ -179,6 +180,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_with_other_kernels_equals_dense(name, kernel):
@@ -212,6 +214,7 @@ def compiled_temp_bytes(kernel, n, **kw):
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(terms, spec(1, 2, n, 16)).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_blockwise_memory_is_linear_in_length():
     dense = compiled_temp_bytes(dense_attention, 2048)
     blocked = [compiled_temp_bytes(blockwise.blockwise_attention, n, block_size=128) for n in (1024, 2048)]

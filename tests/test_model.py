@@ -76,6 +76,7 @@ def test_emd_changes_outputs_and_uses_the_absolute_table():
         build("deberta_emd", trained_length=16).mlm_logits(ids(1, 20))
 
 
+@pytest.mark.slow
 def test_dropout_only_with_rngs_and_gradients_finite():
     model = build("deberta")
     x = ids(2, 10)

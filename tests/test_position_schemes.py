@@ -157,6 +157,7 @@ def test_finite_at_eight_times_the_training_length(name):
     assert out.shape == (1, 8 * TRAIN_LEN, 60) and np.isfinite(np.asarray(out)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_training_gradients_are_finite(name):
     model = build(name)

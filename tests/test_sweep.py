@@ -11,6 +11,8 @@ from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
 from tests.helpers import write_brown_slices
 
+pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
+
 FAMILIES = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}
 
 
