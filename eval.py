@@ -42,8 +42,10 @@ flags.DEFINE_list("policies", _csv(_DEFAULTS.policies),
                   f"of {ABSOLUTE_POSITION_POLICIES}.")
 flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {length_study.PROTOCOLS}.")
 flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
-flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch, "Batch size in tokens; rows per batch = this // length.")
-flags.DEFINE_integer("max_eval_tokens", _DEFAULTS.max_eval_tokens, "Use only the first this many tokens of each eval text (0 = all).")
+flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,
+                     "Batch size in tokens; rows per batch = this // length.")
+flags.DEFINE_integer("max_eval_tokens", _DEFAULTS.max_eval_tokens,
+                     "Use only the first this many tokens of each eval text (0 = all).")
 flags.DEFINE_integer("num_targets", _DEFAULTS.num_targets, "Fixed-target protocol: number of target spans.")
 flags.DEFINE_integer("span", _DEFAULTS.span, "Fixed-target protocol: span length in tokens (0 = L // 4).")
 flags.DEFINE_integer("bootstrap", _DEFAULTS.bootstrap, "Bootstrap resamples over documents for the 95% intervals.")
@@ -51,7 +53,8 @@ flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
                   "Attention kernel of every model (default: each model's own): 'blockwise' keeps memory linear in "
                   "length (same results to float rounding), for lengths whose dense [B, H, N, N] scores do not fit; "
                   "'pallas' is blockwise fused into one GPU kernel (interpret mode, slow, without a GPU).")
-flags.DEFINE_integer("attention_block_size", None, "Keys per block of the blockwise kernel (default: each model's own).")
+flags.DEFINE_integer("attention_block_size", None,
+                     "Keys per block of the blockwise kernel (default: each model's own).")
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.DEFINE_bool("oracle", True, "Also score the Bayes-optimal oracle of every synthetic dataset (with the first "
                   "model's tokenizer and training length).")

@@ -128,14 +128,14 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
     run = validation.resolved(config, model_config)  # what config.json records
     masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
-                                   config.data.mask_prob, config.data.whole_word_masking)
+                            config.data.mask_prob, config.data.whole_word_masking)
     train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
     evals = []
     if config.data.eval_files:
         eval_data = packing.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
         evals = batches.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
-                                            max_batches=train_cfg.eval_batches,
-                                            process_index=jax.process_index(), process_count=jax.process_count())
+                                     max_batches=train_cfg.eval_batches,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
 
     # ------------------------------------------------------------------ model & optimizer
@@ -156,11 +156,11 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     # ------------------------------------------------------------------ step
     train_step = jax.jit(
         steps.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
-                                  grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob),
+                              grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob),
         in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
         donate_argnums=0)
-    eval_step = jax.jit(steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob), in_shardings=(state_sharding.params, batch_sharding),
-                        out_shardings=replicated)
+    eval_step = jax.jit(steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob),
+                        in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
     manager = checkpoint.checkpoint_manager(workdir, keep=train_cfg.keep_checkpoints)

@@ -132,7 +132,7 @@ def jax_case(cfg: ModelConfig, train_config, mode: str, seq: int, batch: int) ->
     init = steps.make_init_fn(cfg, optimizer, seed=0)
     if mode == "train":
         step = jax.jit(steps.make_train_step(graphdef, optimizer, schedule, seed=0, grad_accum_steps=1,
-                                                 mask_prob=MASK_PROB), donate_argnums=0)
+                                             mask_prob=MASK_PROB), donate_argnums=0)
         abstract = jax.eval_shape(init)
     else:
         step = jax.jit(steps.make_eval_step(graphdef, mask_prob=MASK_PROB))

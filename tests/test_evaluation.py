@@ -104,7 +104,7 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
     bert = tiny(tok, attention="entangled", position_biased_input=True)
     models = [length_study.EvalModel("bert", 0, "a", bert, tok, 16)]
     settings = length_study.StudySettings(lengths=(16, 32, 64), policies=("strict", "untrained", "clip", "interpolate"),
-                                           protocols=("chunked",), bootstrap=50)
+                                          protocols=("chunked",), bootstrap=50)
     records, skipped = length_study.run_study(models, {"d": docs}, settings)
     evaluated = {(r["policy"], r["eval_len"]) for r in records if r["metric"] == "loss" and r["bucket"] == "all"}
     assert evaluated == {("strict", 16), ("untrained", 16), ("untrained", 32), ("clip", 16), ("clip", 32),

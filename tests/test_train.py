@@ -113,10 +113,10 @@ def test_load_workdir_reproduces_the_logged_eval_loss(straight_run):
     assert model.cfg.trained_length == config.data.seq_len == 32
     assert model.cfg.vocab_size == tokenizer.get_vocab_size()
     masker = batches.Masker(SpecialIds.from_tokenizer(tokenizer), tokenizer.get_vocab_size(),
-                                   config.data.mask_prob, config.data.whole_word_masking)
+                            config.data.mask_prob, config.data.whole_word_masking)
     packed = packing.load_or_pack(config.data.eval_files, tokenizer, config.data.seq_len, config.data.cache_dir)
     evals = batches.eval_batches(packed, masker.special, batch_size=16, max_batches=None,
-                                          process_index=0, process_count=1)[: -(-4 * 8 // 16)]  # eval_batches=4 of 8
+                                 process_index=0, process_count=1)[: -(-4 * 8 // 16)]  # eval_batches=4 of 8
     loss_sum = count = 0.0
     for batch in evals:
         logits = np.asarray(model.mlm_logits(batch["input_ids"], batch["attention_mask"]), np.float64)
@@ -219,7 +219,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
     def run(accum):
         step = steps.make_train_step(steps.model_graphdef(SMALL_MODEL), optimizer, schedule, seed=0,
-                                         grad_accum_steps=accum, mask_prob=0.3)
+                                     grad_accum_steps=accum, mask_prob=0.3)
         return jax.jit(step)(state, batch)
 
     (big_state, big), (acc_state, acc) = run(1), run(4)

@@ -22,7 +22,8 @@ TASKS = ("markov", "stride")
 def get_config(arg: str = "markov"):
     task, _, size = arg.partition(",")
     if task not in TASKS or size not in ("", "smoke"):
-        raise ValueError(f"unknown sweep arg {arg!r}; use one of {TASKS}, optionally with ',smoke' (e.g. 'markov,smoke')")
+        raise ValueError(f"unknown sweep arg {arg!r}; use one of {TASKS}, optionally with ',smoke' "
+                         "(e.g. 'markov,smoke')")
     sweep = config_dict.ConfigDict()
     sweep.title = f"Position schemes on synthetic:{task}"
     sweep.description = (

@@ -51,7 +51,8 @@ class Blocks:
         queries = self.queries if queries is None else queries
         positions = block * self.block_size + jnp.arange(self.block_size)
         scores = queries.with_keys(key_block).scores(jnp.minimum(positions, self.num_keys - 1))
-        return mask_keys(scores.astype(jnp.float32), mask_block[:, None, None, :].astype(bool), positions < self.num_keys)
+        real = mask_block[:, None, None, :].astype(bool)
+        return mask_keys(scores.astype(jnp.float32), real, positions < self.num_keys)
 
 
 # A fused forward pass: (blocks) -> (out [B, H, Nq, d], log-sum-exp [B, H, Nq]), without dropout.

@@ -77,7 +77,7 @@ def relative_index_by_distance(
 def relative_index(query_len: int, key_len: int, **kw) -> np.ndarray:
     """`relative_index_by_distance` expanded to `[query_len, key_len]`: the table row for each (i, j)."""
     return toeplitz(relative_index_by_distance(query_len, key_len, **kw),
-                       np.arange(query_len), np.arange(key_len), key_len)
+                    np.arange(query_len), np.arange(key_len), key_len)
 
 
 def relative_rows_used(query_len: int, key_len: int, **kw) -> tuple[int, int]:

@@ -61,8 +61,8 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
 def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
     """A transformers `save_pretrained` directory (with its `tokenizer.json`) as an `EvalModel`.
 
-    Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past training are the point
-    here; its training length is taken to be `max_position_embeddings` (512 for published models).
+    Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past
+    training are the point here; its training length is taken to be `max_position_embeddings` (512 for published models).
     """
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_path):
@@ -76,7 +76,8 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
 def unigram_reference(em: EvalModel) -> EvalModel:
     """The unigram floor for a trained run: counts from its own training files and tokenizer."""
     config = checkpoint.read_config(em.source)
-    packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len), config.data.cache_dir)
+    packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len),
+                                  config.data.cache_dir)
     special = SpecialIds.from_tokenizer(em.tokenizer)
     stream = packed.input_ids[packed.attention_mask > 0]
     unigram = UnigramModel(stream[~np.isin(stream, special.all)], em.tokenizer.get_vocab_size(), special)
@@ -228,7 +229,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                 corpus = targets.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
                 if settings.max_eval_tokens:
                     corpus = targets.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
-                                                           corpus.special, settings.mask_seed)
+                                                        corpus.special, settings.mask_seed)
                 corpora[key] = corpus
             corpus = corpora[key]
             if len(corpus.tokens) < max(lengths) - 2:
@@ -250,7 +251,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                     desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
                     if "chunked" in settings.protocols:
                         sums = scoring.score_windows(scorer, corpus, targets.chunked_windows(corpus, eval_len),
-                                                        batch, bucket_width, desc)
+                                                     batch, bucket_width, desc)
                         records += _records(em, sums, resamples, protocol="chunked", offset=None, **common)
                     if starts is not None:
                         for offset in targets.default_offsets(em.train_len, eval_len, span):

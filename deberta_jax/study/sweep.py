@@ -167,7 +167,8 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     for i, (name, spec) in enumerate(sweep.eval.data_files.items()):
         if synthetic.is_synthetic_spec(spec):
             recs, _ = cached_study(
-                os.path.join(sweep.workdir_root, f"oracle{i}_" + EVAL_CACHE), dict(base, oracle=spec, windows_from=first),
+                os.path.join(sweep.workdir_root, f"oracle{i}_" + EVAL_CACHE),
+                dict(base, oracle=spec, windows_from=first),
                 lambda name=name, spec=spec: length_study.oracle_references(
                     length_study.load_workdir_model(first), {name: spec})[0], datasets, settings, corpora)
             records += recs
