@@ -2,7 +2,9 @@
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import save_tokenizer, train_tokenizer
@@ -27,3 +29,30 @@ def assert_padding_invariant(model, ids: np.ndarray, pad: int = 7, atol: float =
     padded = np.concatenate([ids, np.zeros((b, pad), np.int32)], axis=1)
     mask = np.concatenate([np.ones_like(ids), np.zeros((b, pad), np.int32)], axis=1)
     np.testing.assert_allclose(model.mlm_logits(padded, mask)[:, :n], base, atol=atol)
+
+
+def model_params(model) -> dict:
+    """Every `nnx.Param` of `model` as a numpy array, keyed by its dotted path
+    (e.g. "encoder.layers.0.attention.query_proj.bias")."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(map(str, path)): np.array(var[...]) for path, var in flat}
+
+
+def set_model_params(model, values) -> None:
+    """Overwrite the `nnx.Param`s named in `values` (dotted paths as in `model_params`) through nnx state.
+
+    Unknown paths and shape changes raise, so a test cannot silently perturb nothing.
+    """
+    state = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for key, value in values.items():
+        *parents, leaf = (int(p) if p.isdigit() else p for p in key.split("."))
+        node = pure
+        for part in parents:
+            node = node[part]
+        old = node[leaf]
+        if np.shape(old) != np.shape(value):
+            raise ValueError(f"{key}: shape {np.shape(value)} does not match the parameter's {np.shape(old)}")
+        node[leaf] = jnp.asarray(value, dtype=old.dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)

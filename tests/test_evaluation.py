@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax.data import targets
+from deberta_jax.data import synthetic, targets
 from deberta_jax.data.packing import pack_stream
 from deberta_jax.data.text import load_documents
-from deberta_jax.data.tokenizer import train_tokenizer
+from deberta_jax.data.tokenizer import SpecialIds, train_tokenizer
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, report, scoring
+from deberta_jax.study.reference import UnigramModel
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,28 @@ def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok
     records, skipped = length_study.run_study(
         [em], {"d": docs}, length_study.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
     assert {r["eval_len"] for r in records if r["metric"] == "loss"} == {32, 128} and not skipped
+
+
+def test_oracle_scores_only_its_synthetic_dataset_and_gap_closed_is_the_share_of_the_gap():
+    spec = "synthetic:markov:test:docs=3,doc_len=400"
+    synth_tok = synthetic.tokenizer(spec)
+    datasets = {"markov": load_documents(spec), "markov-seed1": load_documents(spec + ",seed=1")}
+    model = length_study.EvalModel("deberta", 0, "w", tiny(synth_tok), synth_tok, 16)
+    special = SpecialIds.from_tokenizer(synth_tok)
+    stream = targets.build_corpus(datasets["markov"], synth_tok).tokens
+    unigram = UnigramModel(stream[~np.isin(stream, special.all)], synth_tok.get_vocab_size(), special)
+    references = [length_study.EvalModel("unigram", "-", "u", unigram, synth_tok, 16),
+                  *length_study.oracle_references(model, {"markov": spec, "brown": "some/file.txt"})]
+    assert [r.label for r in references] == ["unigram", "oracle"]  # no oracle for a text file
+    settings = length_study.StudySettings(lengths=(16, 32), protocols=("chunked",), bootstrap=20)
+    records, _ = length_study.run_study([model, *references], datasets, settings)
+    loss = {(r["model"], r["dataset"], r["eval_len"]): r["value"] for r in records
+            if r["metric"] == "loss" and r["bucket"] == "all"}
+    assert {d for m, d, _ in loss if m == "oracle"} == {"markov"}  # the oracle knows one chain
+    for n in (16, 32):
+        assert loss["oracle", "markov", n] < loss["unigram", "markov", n] - 1.0
+    gaps = {r["eval_len"]: r["value"] for r in report.add_gap_closed(records)
+            if r["metric"] == "gap_closed" and r["model"] == "deberta"}
+    assert set(gaps) == {16, 32}  # only where both references were scored
+    u, o, m = (loss[name, "markov", 16] for name in ("unigram", "oracle", "deberta"))
+    assert gaps[16] == pytest.approx((u - m) / (u - o))
