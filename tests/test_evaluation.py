@@ -151,7 +151,7 @@ def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
 
 
 def test_bad_settings_and_short_text_fail_clearly(tok):
-    with pytest.raises(ValueError, match="--lengths"):
+    with pytest.raises(ValueError, match="lengths: 1 is too short"):
         length_study.StudySettings(lengths=(1,))
     with pytest.raises(ValueError, match="unknown policy"):
         length_study.StudySettings(policies=("wrap",))

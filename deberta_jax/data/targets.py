@@ -102,7 +102,7 @@ def target_starts(corpus: EvalCorpus, max_len: int, span: int, num_targets: int)
     if hi <= lo:
         raise ValueError(
             f"the eval text has {len(corpus.tokens)} tokens; the fixed-target protocol needs at least "
-            f"{2 * max_len + span + 1} for length {max_len}. Pass more text (--data_files) or smaller lengths.")
+            f"{2 * max_len + span + 1} for length {max_len}. Pass more eval text or smaller lengths.")
     return np.linspace(lo, hi, num=min(num_targets, hi - lo + 1)).astype(np.int64)
 
 

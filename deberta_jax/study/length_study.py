@@ -62,7 +62,8 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
     """A transformers `save_pretrained` directory (with its `tokenizer.json`) as an `EvalModel`.
 
     Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past
-    training are the point here; its training length is taken to be `max_position_embeddings` (512 for published models).
+    training are the point here; its training length is taken to be `max_position_embeddings` (512 for
+    published models).
     """
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_path):
@@ -110,16 +111,16 @@ class StudySettings:
     def __post_init__(self):
         for p in self.policies:
             if p not in ABSOLUTE_POSITION_POLICIES:
-                raise ValueError(f"--policies: unknown policy {p!r}; choose from {ABSOLUTE_POSITION_POLICIES}")
+                raise ValueError(f"policies: unknown policy {p!r}; choose from {ABSOLUTE_POSITION_POLICIES}")
         for p in self.protocols:
             if p not in PROTOCOLS:
-                raise ValueError(f"--protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
+                raise ValueError(f"protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
         for n in self.lengths:
             if n < packing.MIN_SEQ_LEN:
-                raise ValueError(f"--lengths: {n} is too short; every length must be >= {packing.MIN_SEQ_LEN} "
+                raise ValueError(f"lengths: {n} is too short; every length must be >= {packing.MIN_SEQ_LEN} "
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
-            raise ValueError("--multiples must be positive")
+            raise ValueError("multiples must be positive")
 
     def lengths_for(self, train_len: int) -> list[int]:
         if self.lengths:
@@ -235,7 +236,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
             if len(corpus.tokens) < max(lengths) - 2:
                 raise ValueError(
                     f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
-                    f"{max(lengths)}; pass a longer eval text or fewer/smaller --multiples / --lengths")
+                    f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
             resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
             starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
                       if "fixed_target" in settings.protocols else None)
