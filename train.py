@@ -6,7 +6,7 @@
         --config.train.num_steps=2000
 
 Rerunning the same command resumes from the latest checkpoint in --workdir, exactly: data order,
-masks and dropout are functions of (config.seed, step). `deberta_jax.checkpoint.load_workdir`
+masks and dropout are functions of (config.seed, step). `deberta_jax.train.checkpoint.load_workdir`
 rebuilds the trained model from the workdir alone.
 
 Devices: a (data, fsdp) mesh over every device (`jax.make_mesh`); batches split over all of them,
