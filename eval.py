@@ -91,7 +91,7 @@ def main(argv):
         raise app.UsageError("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
     if FLAGS.checkpoint not in ("latest", "best") and not FLAGS.checkpoint.isdigit():
         raise app.UsageError(f"--checkpoint={FLAGS.checkpoint!r}: use 'latest', 'best' or a step number")
-    step = {"latest": None, "best": "best"}.get(FLAGS.checkpoint) or int(FLAGS.checkpoint)
+    step = None if FLAGS.checkpoint == "latest" else "best" if FLAGS.checkpoint == "best" else int(FLAGS.checkpoint)
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,

@@ -1,0 +1,51 @@
+"""eval.py end to end: a run trained on synthetic data is scored with the unigram floor and the task's oracle,
+and a bad flag value is a usage error that names the flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from configs import deberta
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # trains a micro run, then starts eval.py twice
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic-run")
+    config = deberta.get_config("micro")
+    config.data.train_files = "synthetic:markov:train:docs=20,doc_len=256"
+    config.data.eval_files = "synthetic:markov:validation:docs=2,doc_len=256"
+    config.data.cache_dir = str(root / "cache")
+    config.train.update(num_steps=4, warmup_steps=1, log_every=2, eval_every=4, checkpoint_every=4)
+    train.train_and_evaluate(config, root / "run")
+    return root / "run"
+
+
+def eval_py(*args):
+    return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_path):
+    result = eval_py("--workdir", str(workdir), "--data_files", "synthetic:markov:test:docs=3,doc_len=300",
+                     "--multiples", "1,2", "--extra", "", "--protocols", "chunked", "--bootstrap", "20",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    loss = {(r["model"], r["eval_len"]): r["value"] for r in records
+            if r["metric"] == "loss" and r["bucket"] == "all" and r["seed"] != "mean" and r["policy"] in ("none", "clip")}
+    assert {model for model, _ in loss} == {"run", "unigram", "oracle"}
+    assert {n for _, n in loss} == {32, 64}
+    assert loss["oracle", 32] < loss["unigram", 32] - 1.0
+    assert any(r["metric"] == "gap_closed" for r in records)
+
+
+def test_a_bad_checkpoint_flag_names_the_flag(workdir, tmp_path):
+    result = eval_py("--workdir", str(workdir), "--data_files", "synthetic:markov:test", "--checkpoint", "abc",
+                     "--out", str(tmp_path))
+    assert result.returncode != 0 and "--checkpoint='abc'" in result.stderr
