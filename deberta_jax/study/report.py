@@ -54,8 +54,8 @@ def add_gap_closed(records: Sequence[dict]) -> list[dict]:
     Where both references were scored (synthetic data), a loss reads as the share of the learnable gap a model
     closed: 0 at the context-free floor, 1 at the Bayes-optimal prediction from the same window.
     """
-    def key(r):
-        return r["protocol"], r["dataset"], r["eval_len"], r["offset"]
+    def key(r):  # the same windows and targets (fixed-target spans follow the training length)
+        return r["protocol"], r["dataset"], r["train_len"], r["eval_len"], r["offset"]
     overall = [r for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
     refs = {(r["model"], *key(r)): r["value"] for r in overall if r["model"] in REFERENCES}
     extra = []
