@@ -1,8 +1,8 @@
 """Masked-LM pre-training of BERT (entangled) and DeBERTa (disentangled) encoders.
 
     python train.py --config configs/deberta.py:tiny --workdir runs/deberta_tiny \
-        --config.data.train_files=../shared/data/brown/train.txt \
-        --config.data.eval_files=../shared/data/brown/valid.txt \
+        --config.data.train_files=corpus/train.txt \
+        --config.data.eval_files=corpus/valid.txt \
         --config.train.num_steps=2000
 
 Rerunning the same command resumes from the latest checkpoint in --workdir, exactly: data order,
