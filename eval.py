@@ -1,7 +1,7 @@
 """Length-extrapolation evaluation of trained workdirs and transformers checkpoints.
 
   python eval.py --workdir runs/bert-tiny --workdir runs/deberta-tiny \
-      --data_files corpus/valid.txt --data_files synthetic:markov:test \
+      --data_files corpus/valid.txt --data_files corpus/test.txt \
       --out results/len
 
 Each model is scored at multiples of its own training length L (1x, 2x, 4x, 8x) plus L+16 and L+64
