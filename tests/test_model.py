@@ -19,6 +19,9 @@ VARIANTS = {
     "deberta": dict(BASE, position_buckets=8, max_relative_positions=16),
     "deberta_emd": dict(BASE, position_buckets=8, max_relative_positions=16, use_emd=True),
     "deberta_no_buckets_separate": dict(BASE, position_buckets=0, max_relative_positions=8, share_att_key=False),
+    "bert_pre_ln": dict(BASE, attention="entangled", position_biased_input=True, layer_norm_placement="pre"),
+    "deberta_emd_pre_ln": dict(BASE, position_buckets=8, max_relative_positions=16, use_emd=True,
+                               layer_norm_placement="pre"),
 }
 
 
@@ -76,6 +79,24 @@ def test_emd_changes_outputs_and_uses_the_absolute_table():
         build("deberta_emd", trained_length=16).mlm_logits(ids(1, 20))
 
 
+def test_pre_layer_norm_normalizes_sublayer_inputs_and_the_output():
+    """x + attention(norm(x)), then + mlp(norm(.)), and one final norm before the head: composed by hand."""
+    model = build("bert_pre_ln")
+    # Non-trivial norm parameters, so a norm applied in the wrong place or skipped changes the logits.
+    rng = np.random.default_rng(1)
+    for norm in [model.final_norm] + [n for layer in model.encoder.layers for n in (layer.attention_norm, layer.output_norm)]:
+        norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32)
+        norm.bias[...] = jnp.asarray(rng.normal(0, 0.3, norm.bias.shape), jnp.float32)
+    x, mask = ids(2, 12), np.ones((2, 12), np.int32)
+    ctx = model.encoder.position_context(2, 12)
+    h = model.embeddings(jnp.asarray(x), jnp.asarray(mask), jnp.zeros_like(x), ctx, None)
+    for layer in model.encoder.layers:
+        h = h + layer.attention_out(layer.attention(layer.attention_norm(h), jnp.asarray(mask), ctx))
+        h = h + layer.output(jax.nn.gelu(layer.intermediate(layer.output_norm(h)), approximate=False))
+    np.testing.assert_allclose(model.mlm_logits(x, mask), model.head(model.final_norm(h)), atol=2e-5)
+    assert build("bert").final_norm is None  # post-LN (the default) keeps the published parameter tree
+
+
 @pytest.mark.slow
 def test_dropout_only_with_rngs_and_gradients_finite():
     model = build("deberta")
@@ -126,6 +147,7 @@ def test_bad_inputs_name_the_argument():
     ("absolute_position_policy", "wrap", "choose one of"),
     ("norm_rel_ebd", "rms", "choose one of"),
     ("dtype", "float16", "choose one of"),
+    ("layer_norm_placement", "sandwich", "choose one of"),
 ])
 def test_bad_config_names_field_and_fix(field, value, fix):
     with pytest.raises(ConfigError, match=rf"model\.{field}=.*{fix}"):

@@ -21,6 +21,7 @@ NORM_REL_EBD = ("none", "layer_norm")
 ABSOLUTE_POSITION_POLICIES = ("strict", "untrained", "clip", "interpolate")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("gelu", "gelu_new", "relu")
+LAYER_NORM_PLACEMENTS = ("post", "pre")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,11 @@ class ModelConfig:
     exist past the training length (error past the table), "clip" repeats the last trained row,
     "interpolate" stretches the trained rows over the longer sequence.
 
+    `layer_norm_placement` is where each layer normalizes: "post" (BERT and DeBERTa as published, so
+    their checkpoints load) normalizes after each residual add; "pre" (Xiong et al. 2020) normalizes each
+    sub-layer's input and the final output, leaving the residual stream unnormalized, which trains
+    without a long warm-up plateau at small scale. It applies to every attention variant alike.
+
     `randomized_positions` (Ruoss et al. 2023) is a training-time option for the absolute schemes and
     RoPE: when the model is called with `rngs` (training), each sequence's N positions are an ordered
     random sample of `range(random_position_max)` drawn from the `dropout` stream (so a run resumed
@@ -97,6 +103,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-7
     initializer_range: float = 0.02
     type_vocab_size: int = 0
+    layer_norm_placement: str = "post"
 
     attention: str = "disentangled"
     attention_kernel: str = "dense"
@@ -173,6 +180,9 @@ class ModelConfig:
                   f"{[h for h in (1, 2, 4, 8, 12, 16) if self.hidden_size % h == 0]}")
         if self.hidden_act not in ACTIVATIONS:
             _fail("hidden_act", self.hidden_act, f"choose one of {ACTIVATIONS}")
+        if self.layer_norm_placement not in LAYER_NORM_PLACEMENTS:
+            _fail("layer_norm_placement", self.layer_norm_placement,
+                  f"choose one of {LAYER_NORM_PLACEMENTS} ('post' as in BERT/DeBERTa, 'pre' as in Xiong et al.)")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(name, getattr(self, name), "must be in [0, 1)")

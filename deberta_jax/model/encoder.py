@@ -1,4 +1,4 @@
-"""Masked-LM encoders: embeddings, post-LayerNorm encoder layers, tied MLM head, optional EMD.
+"""Masked-LM encoders: embeddings, post- or pre-LayerNorm encoder layers, tied MLM head, optional EMD.
 
 One class, `MaskedLM`, covers BERT (`attention="entangled"`, `position_biased_input=True`) and
 DeBERTa v2/v3 (`attention="disentangled"`, `position_biased_input=False`), every mix of the two that
@@ -77,7 +77,11 @@ class Embeddings(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    """Post-LN transformer layer: attention -> add & norm -> MLP -> add & norm."""
+    """Transformer layer: attention and MLP sub-layers, each added to the residual stream.
+
+    Post-LN (the published models): `norm(x + sublayer(x))`. Pre-LN: `x + sublayer(norm(x))`; the same two
+    norms, applied to each sub-layer's input instead, and `MaskedLM` normalizes the final output.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -89,12 +93,22 @@ class EncoderLayer(nnx.Module):
         self.output_norm = layer_norm(cfg, rngs)
         self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
+    def _attend(self, hidden, key_mask, ctx, query_states, rngs) -> jax.Array:
+        context = self.attention(hidden, key_mask, ctx, query_states=query_states, rngs=rngs)
+        return self.dropout(self.attention_out(context), rngs).astype(jnp.float32)
+
+    def _mlp(self, x, rngs) -> jax.Array:
+        mlp = self.output(ACTIVATIONS[self.cfg.hidden_act](self.intermediate(x)))
+        return self.dropout(mlp, rngs).astype(jnp.float32)
+
     def __call__(self, hidden, key_mask, ctx: PositionContext, query_states=None, rngs=None) -> jax.Array:
         residual = hidden if query_states is None else query_states
-        context = self.attention(hidden, key_mask, ctx, query_states=query_states, rngs=rngs)
-        att = self.attention_norm(self.dropout(self.attention_out(context), rngs).astype(jnp.float32) + residual)
-        mlp = self.output(ACTIVATIONS[self.cfg.hidden_act](self.intermediate(att)))
-        return self.output_norm(self.dropout(mlp, rngs).astype(jnp.float32) + att)
+        if self.cfg.layer_norm_placement == "pre":
+            queries = None if query_states is None else self.attention_norm(query_states)
+            att = residual + self._attend(self.attention_norm(hidden), key_mask, ctx, queries, rngs)
+            return att + self._mlp(self.output_norm(att), rngs)
+        att = self.attention_norm(self._attend(hidden, key_mask, ctx, query_states, rngs) + residual)
+        return self.output_norm(self._mlp(att, rngs) + att)
 
 
 class Encoder(nnx.Module):
@@ -157,6 +171,8 @@ class MaskedLM(nnx.Module):
         self.embeddings = Embeddings(cfg, rngs=rngs)
         self.encoder = Encoder(cfg, rngs=rngs)
         self.head_dense = dense(cfg, cfg.hidden_size, cfg.hidden_size, rngs)
+        # Pre-LN leaves the residual stream unnormalized; this norm closes it (None for post-LN).
+        self.final_norm = layer_norm(cfg, rngs) if cfg.layer_norm_placement == "pre" else None
         self.head_norm = layer_norm(cfg, rngs)
         self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
 
@@ -167,7 +183,7 @@ class MaskedLM(nnx.Module):
         ctx = self.encoder.position_context(*input_ids.shape, rngs=rngs)
         hidden = self.embeddings(input_ids, key_mask, token_type_ids, ctx, rngs)
         if not cfg.use_emd:
-            return self.encoder(hidden, key_mask, ctx, rngs=rngs)
+            return self._close(self.encoder(hidden, key_mask, ctx, rngs=rngs))
         # EMD (microsoft/DeBERTa): keys/values are the input of the last layer; the query starts from
         # absolute positions plus that input and is refined by re-applying the last layer's weights.
         # The last layer's ordinary output is not used by the MLM loss, so it is not computed.
@@ -176,7 +192,10 @@ class MaskedLM(nnx.Module):
         last = self.encoder.layers[cfg.num_layers - 1]
         for _ in range(cfg.emd_layers):
             query = last(hidden, key_mask, ctx, query_states=query, rngs=rngs)
-        return query
+        return self._close(query)
+
+    def _close(self, hidden: jax.Array) -> jax.Array:
+        return hidden if self.final_norm is None else self.final_norm(hidden)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Transform (dense, activation, LayerNorm) then tied decoder; logits in float32."""
