@@ -16,9 +16,11 @@ Runs whose configs differ only in seed share a label; their mean and 95% interva
 from __future__ import annotations
 
 import os
+import tempfile
 
 from absl import app, flags
 
+from deberta_jax.data import packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
@@ -75,6 +77,16 @@ def load_models(workdirs, checkpoints, step, **overrides) -> list[length_study.E
             + [length_study.load_hf_checkpoint(c, **overrides) for c in checkpoints])
 
 
+def check_writable(out: str) -> None:
+    """Fails at start-up, not after the whole evaluation, when --out cannot be written."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise app.UsageError(f"--out={out} is not writable ({err.strerror}); choose another directory") from None
+
+
 def _ints(flag: str) -> tuple[int, ...]:
     """A list flag's values as integers, or a usage error naming the flag."""
     try:
@@ -97,6 +109,11 @@ def main(argv):
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
         max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
         bootstrap=FLAGS.bootstrap)
+    for length in settings.lengths:
+        if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:
+            raise app.UsageError(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
+                                 f"{packing.MAX_SEQ_LEN}] tokens, [CLS] and [SEP] included")
+    check_writable(FLAGS.out)
     specs = {dataset_name(spec): spec for spec in FLAGS.data_files}
     datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
@@ -109,7 +126,8 @@ def main(argv):
         references += length_study.oracle_references(models[0], specs)
     models += references
     records, skipped = length_study.run_study(models, datasets, settings)
-    _, summary, plots = report.write_report(records, skipped, FLAGS.out)
+    note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
+    _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=[note] if note else [])
     print(summary)
     print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),
           "to", FLAGS.out)

@@ -19,6 +19,7 @@ JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging as pylogging
 import os
@@ -34,7 +35,8 @@ from tqdm import tqdm
 from deberta_jax.data import batches, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import load_documents
-from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation, workdir_lock
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics; resumed if it has any.")
@@ -43,6 +45,9 @@ flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after thi
                      "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
 
 FLAGS = flags.FLAGS
+
+# config.json's record of the vocabulary size the workdir's tokenizer was trained for (None: given or synthetic).
+VOCAB_REQUEST = "tokenizer_trained_for_vocab_size"
 
 # Training metrics checked for NaN/inf before anything is logged or saved.
 FINITE_METRICS = ("loss", "grad_norm", "param_norm")
@@ -68,9 +73,15 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
 
 
 def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
-    """Refuses to continue a workdir's checkpoints with another model; logs every other change."""
-    changes = validation.differences(checkpoint.read_config(workdir), run)
-    model_changes = {k: v for k, v in changes.items() if k.startswith("model.")}
+    """Refuses to continue a workdir's checkpoints with another model (or a vocabulary its tokenizer was not
+    trained for); logs every other change."""
+    saved = checkpoint.read_config(workdir)
+    # Model fields added since the workdir was written hold their defaults, which is what it trained with.
+    saved.model = config_dict.ConfigDict(ModelConfig.from_dict(saved.model.to_dict()).to_dict())
+    if VOCAB_REQUEST not in saved.data:  # a workdir from before the request was recorded
+        saved.data[VOCAB_REQUEST] = run.data[VOCAB_REQUEST]
+    changes = validation.differences(saved, run)
+    model_changes = {k: v for k, v in changes.items() if k.startswith("model.") or k == "data." + VOCAB_REQUEST}
     if model_changes:
         raise validation.ConfigError(
             f"{workdir} holds checkpoints of another model; changed: "
@@ -108,9 +119,14 @@ def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
 
 
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
-    """Trains (or resumes) the run in `workdir`; returns the last logged metrics."""
+    """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the last logged metrics."""
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    lock = workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock:
+        return _train(config, workdir, stop_at_step)
+
+
+def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | None) -> dict:
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
@@ -127,6 +143,10 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     vocab_size = tokenizer.get_vocab_size()
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
     run = validation.resolved(config, model_config)  # what config.json records
+    # The vocabulary a trained tokenizer was asked for: resuming reuses the workdir's tokenizer, so a changed
+    # config.model.vocab_size must be refused (check_resumable), not silently ignored.
+    trains_tokenizer = not (config.data.tokenizer or synthetic.is_synthetic_spec(config.data.train_files))
+    run.data[VOCAB_REQUEST] = config.model.vocab_size if trains_tokenizer else None
     masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                             config.data.mask_prob, config.data.whole_word_masking)
     train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
@@ -136,6 +156,11 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
         evals = batches.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
                                      max_batches=train_cfg.eval_batches,
                                      process_index=jax.process_index(), process_count=jax.process_count())
+    if evals and not any(batch["weights"].any() for batch in evals):
+        raise validation.ConfigError(
+            f"config.data.eval_files={config.data.eval_files!r} yields no masked targets ({len(evals)} batches): "
+            "the eval loss would be undefined. Give more evaluation text, or set config.data.eval_files='' to "
+            "train without evaluation.")
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
 
     # ------------------------------------------------------------------ model & optimizer
@@ -163,16 +188,20 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
                         in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
+    if is_main:
+        for name in checkpoint.clear_interrupted_saves(workdir):
+            logging.warning("removed %s: a save that was interrupted (the checkpoint before it is intact)", name)
+    sharding.sync_processes("checkpoints cleared")
     manager = checkpoint.checkpoint_manager(workdir, keep=train_cfg.keep_checkpoints)
-    latest = manager.latest_step()
-    if latest is None:
-        state = jax.jit(init_fn, out_shardings=state_sharding)()
-    else:
-        logging.info("resuming from the checkpoint at step %d", latest)
+    state = None
+    if manager.all_steps():
         check_resumable(workdir, run)
         targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                abstract_state, state_sharding)
-        state = checkpoint.restore(manager, latest, targets)
+        state = checkpoint.restore_newest_intact(manager, targets, workdir)
+        logging.info("resuming from the checkpoint at step %d", int(state.step))
+    if state is None:
+        state = jax.jit(init_fn, out_shardings=state_sharding)()
     start_step = int(state.step)
     if is_main:
         tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
@@ -189,7 +218,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
         if int(totals["dropped"]):
             raise RuntimeError(f"evaluation masked {int(totals['dropped'])} tokens more than the MLM head scores "
                                "(deberta_jax.train.steps.prediction_budget); the eval loss would be wrong")
-        count = max(float(totals["count"]), 1.0)
+        count = float(totals["count"])  # > 0: checked at start-up
         return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
 
     # ------------------------------------------------------------------ loop
@@ -271,4 +300,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    app.run(main, flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "config"))

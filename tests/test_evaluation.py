@@ -216,3 +216,18 @@ def test_oracle_scores_only_its_synthetic_dataset_and_gap_closed_is_the_share_of
     assert set(gaps) == {16, 32}  # only where both references were scored
     u, o, m = (loss[name, "markov", 16] for name in ("unigram", "oracle", "deberta"))
     assert gaps[16] == pytest.approx((u - m) / (u - o))
+
+
+def test_curves_refuse_runs_that_did_not_see_the_same_batches(tmp_path):
+    from configs import bert, deberta
+    from deberta_jax.study import curves
+    from deberta_jax.train import checkpoint
+
+    checkpoint.write_config(tmp_path / "a", deberta.get_config("micro"))
+    checkpoint.write_config(tmp_path / "b", bert.get_config("micro"))  # another model, same data and schedule
+    curves.check_same_batches({"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
+    other = bert.get_config("micro")
+    other.train.learning_rate = 0.5
+    checkpoint.write_config(tmp_path / "c", other)
+    with pytest.raises(ValueError, match=r"c .* was not trained like a: config.train.learning_rate 0.001 vs 0.5"):
+        curves.check_same_batches({"a": str(tmp_path / "a"), "c": str(tmp_path / "c")})

@@ -79,6 +79,10 @@ def continuation_table(tokenizer: Tokenizer) -> np.ndarray:
     return table
 
 
+class NoTokensError(ValueError):
+    """Text that tokenizes to nothing (e.g. only control characters)."""
+
+
 def token_stream(documents: Sequence[str], tokenizer: Tokenizer, sep_id: int) -> np.ndarray:
     """Tokenizes documents (no special tokens) into one int32 stream with `sep_id` between documents."""
     pieces: list[np.ndarray] = []
@@ -95,7 +99,7 @@ def token_stream(documents: Sequence[str], tokenizer: Tokenizer, sep_id: int) ->
                     pieces.append(np.asarray(encoding.ids, dtype=np.int32))
             bar.update(len(chunk))
     if not pieces:
-        raise ValueError("documents contain no tokens")
+        raise NoTokensError(f"its {len(documents)} documents contain no tokens after the tokenizer's normalization")
     return np.concatenate(pieces)
 
 
@@ -172,7 +176,10 @@ def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str |
         with np.load(path) as arrays:
             return PackedData(**{field.name: arrays[field.name] for field in dataclasses.fields(PackedData)})
     logger.info("data cache miss: packing %s into %s", spec, path)
-    packed = pack_documents(load_documents(spec), tokenizer, seq_len)
+    try:
+        packed = pack_documents(load_documents(spec), tokenizer, seq_len)
+    except NoTokensError as err:
+        raise NoTokensError(f"data spec {spec!r}: {err}; give text with words in it") from None
     _save_atomic(path, packed)
     return packed
 

@@ -44,14 +44,15 @@ def resolve_files(spec: str) -> list[Path]:
     """Expands a comma-separated list of paths and globs into files, in the order given.
 
     Glob matches are sorted so the document order (and hence the packed data) never depends on
-    the file system's listing order.
+    the file system's listing order. A part that names an existing path is taken literally even if it
+    contains glob characters (`train[1].txt` is that file, not `train1.txt`).
     """
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if not parts:
         raise ValueError(f"data spec {spec!r} names no files; give paths or globs, e.g. {LOCAL_FILES_EXAMPLE!r}")
     files: list[Path] = []
     for part in parts:
-        if any(ch in part for ch in "*?["):
+        if any(ch in part for ch in "*?[") and not Path(part).exists():  # an existing path is literal: train[1].txt
             matches = sorted(Path(p) for p in glob.glob(part, recursive=True) if Path(p).is_file())
             if not matches:
                 raise FileNotFoundError(_missing_message(spec, part, "glob matched no files"))
@@ -85,6 +86,9 @@ def read_text_file(path: Path) -> str:
         ) from err
     if not text.strip():
         raise ValueError(f"{path} is empty (no text besides whitespace); remove it from the data spec")
+    if "\x00" in text:  # text files have no NUL bytes; binary ones (or a disk-full hole) do
+        raise ValueError(f"{path} contains NUL bytes (first at character {text.index(chr(0))}): it is binary or "
+                         "damaged, not text; remove it from the data spec or repair it")
     return text
 
 

@@ -7,6 +7,7 @@ rely on `[PAD]` being 0, and masking can tell special tokens apart by id.
 from __future__ import annotations
 
 import dataclasses
+import os
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,8 +122,13 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, lowercase: bool =
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
     """Writes the tokenizer as one JSON file, creating parent folders."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: a kill never leaves half a file
+        tokenizer.save(str(tmp))
+        os.replace(tmp, path)
+    except Exception as err:
+        raise OSError(f"cannot write the tokenizer to {path} ({err}); is {path.parent} writable?") from None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -133,6 +139,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"tokenizer file {path} not found; train one with deberta_jax.tokenizer.train_tokenizer "
             "and save it with save_tokenizer"
         )
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust parser raises a bare Exception for a truncated or foreign file
+        raise ValueError(f"tokenizer file {path} cannot be read ({err}): it is truncated or not a tokenizers "
+                         "JSON; restore it, or point config.data.tokenizer at an intact tokenizer.json") from None
     SpecialIds.from_tokenizer(tokenizer)
     return tokenizer

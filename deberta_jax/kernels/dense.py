@@ -13,6 +13,12 @@ from deberta_jax.kernels import dropout
 from deberta_jax.kernels.scores import ScoreTerms, mask_keys
 
 
+def peak_bytes(batch: int, heads: int, query_len: int, key_len: int) -> int:
+    """Memory the dense kernel's largest intermediates take: float32 scores and probabilities of shape
+    `[B, H, Nq, Nk]`, both live at the softmax (what XLA allocates for them, observed on CPU)."""
+    return 2 * 4 * batch * heads * query_len * key_len
+
+
 def dense_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
                     dropout_rate: float = 0.0, dropout_key: jax.Array | None = None) -> jax.Array:
     """Softmax over all `Nk` keys; `v` `[B, H, Nk, d]`, `key_mask` `[B, Nk]` (1 = real token) -> `[B, H, Nq, d]`.

@@ -15,12 +15,14 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
 from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.tokenizer import SpecialIds
+from deberta_jax.kernels import dense
 from deberta_jax.model import hf
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.model.encoder import MaskedLM, with_options
@@ -200,12 +202,41 @@ def tokenizer_groups(labelled: Iterable[tuple[str, str]]) -> list[list[str]]:
     return list(groups.values())
 
 
-def warn_if_unpaired(labelled: Iterable[tuple[str, str]]) -> None:
-    """Log a warning when `(label, tokenizer JSON)` pairs name more than one tokenizer."""
+def unpaired_note(labelled: Iterable[tuple[str, str]]) -> str | None:
+    """A warning for reports when `(label, tokenizer JSON)` pairs name more than one tokenizer (else None)."""
     groups = tokenizer_groups(labelled)
-    if len(groups) > 1:
-        logging.warning("models use %d different tokenizers, so their targets differ and comparisons between "
-                        "these groups are not paired: %s", len(groups), "; ".join(", ".join(g) for g in groups))
+    if len(groups) < 2:
+        return None
+    return (f"These models use {len(groups)} different tokenizers, so their targets differ and only models "
+            "within one group are compared on the same tokens: "
+            + "; ".join(f"group {i}: {', '.join(g)}" for i, g in enumerate(groups, 1)) + ".")
+
+
+def device_memory_bytes() -> int:
+    """Memory of the first local device: its allocator's limit on accelerators, physical memory on CPU."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_dense_memory(models: Sequence[EvalModel], settings: StudySettings, available: int) -> None:
+    """Refuses, before anything is scored, a study whose dense-kernel scores cannot fit in `available`
+    bytes (XLA would fail only when it gets there, with an out-of-memory error that names no fix)."""
+    for em in models:
+        cfg = getattr(em.model, "cfg", None)
+        if cfg is None or cfg.attention_kernel != "dense":
+            continue
+        for eval_len in settings.lengths_for(em.train_len):
+            batch = max(1, settings.tokens_per_batch // eval_len)
+            need = dense.peak_bytes(batch, cfg.num_heads, eval_len, eval_len)
+            if need > available:
+                raise MemoryError(
+                    f"{em.label} at length {eval_len} with the dense attention kernel needs about {need / 2**30:.0f} GiB "
+                    f"for its [{batch}, {cfg.num_heads}, {eval_len}, {eval_len}] scores, more than the "
+                    f"{available / 2**30:.0f} GiB of {jax.local_devices()[0].platform}; pass --attention_kernel "
+                    "blockwise (same results, memory linear in length), or evaluate shorter lengths")
 
 
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
@@ -215,9 +246,12 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     `corpora` caches the tokenized, masked eval streams per (dataset, tokenizer); pass the same dict
     to calls that score models one at a time so each stream is built once.
     """
+    check_dense_memory(models, settings, device_memory_bytes())
     records, skipped = [], []
     corpora = {} if corpora is None else corpora
-    warn_if_unpaired((f"{em.label} (seed {em.seed})", em.tokenizer.to_str()) for em in models)
+    note = unpaired_note((f"{em.label} (seed {em.seed})", em.tokenizer.to_str()) for em in models)
+    if note:
+        logging.warning("%s", note)
     for em in models:
         lengths = settings.lengths_for(em.train_len)
         bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)

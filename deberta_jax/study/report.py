@@ -88,15 +88,16 @@ def write_results(records: Sequence[dict], skipped: Sequence[dict], out_dir: str
         writer.writerows(records)
 
 
-def write_report(records: Sequence[dict], skipped: Sequence[dict], out_dir: str) -> tuple[list[dict], str, list[str]]:
-    """Per-seed records -> results files, `summary.md` and plots in `out_dir`.
+def write_report(records: Sequence[dict], skipped: Sequence[dict], out_dir: str, notes: Sequence[str] = ()
+                 ) -> tuple[list[dict], str, list[str]]:
+    """Per-seed records -> results files, `summary.md` (with `notes` as warnings at its top) and plots in `out_dir`.
 
     Returns the mean-over-seeds records, the summary's Markdown and the plot paths.
     """
     records = add_gap_closed(records)
     means = aggregate_seeds(records)
     write_results(list(records) + means, skipped, out_dir)
-    summary = markdown_summary(means, skipped)
+    summary = markdown_summary(means, skipped, notes)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(summary)
     return means, summary, plot_all(means, out_dir)
@@ -121,10 +122,11 @@ def _length_label(r: dict) -> str:
     return f"L{extra:+d}"
 
 
-def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict]) -> str:
+def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict], notes: Sequence[str] = ()) -> str:
     """Chunked-protocol tables (loss, accuracy by eval length) and fixed-target tables (loss by offset)."""
-    lines = ["# Length extrapolation", "",
-             "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed).",
+    lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
+             "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
+             "none with fewer than two documents).",
              "Lengths are multiples of each model's training length L, or L plus a few tokens.", ""]
     overall = [r for r in mean_records if r["bucket"] == "all"]
     for dataset in sorted({r["dataset"] for r in overall}):

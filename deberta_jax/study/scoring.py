@@ -125,11 +125,16 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
 
 
 def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, resamples: np.ndarray,
-                       transform: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> tuple[float, float]:
+                       transform: Callable[[np.ndarray], np.ndarray] = lambda x: x
+                       ) -> tuple[float | None, float | None]:
     """95% percentile interval of `transform(sum(num) / sum(den))` over document resamples.
 
-    `resamples` is `[B, D]` document indices shared by all models, so intervals are paired.
+    `resamples` is `[B, D]` document indices shared by all models, so intervals are paired. With fewer than
+    two documents that hold targets every resample is the same text and the interval would have zero width,
+    which reads as certainty: there is no interval then, (None, None).
     """
+    if np.count_nonzero(den) < 2:
+        return None, None
     den_b = den[resamples].sum(axis=1)
     stat = transform(num[resamples].sum(axis=1) / np.maximum(den_b, 1))
     lo, hi = np.percentile(stat[den_b > 0], [2.5, 97.5]) if (den_b > 0).any() else (np.nan, np.nan)

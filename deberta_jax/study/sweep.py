@@ -31,7 +31,7 @@ from ml_collections import config_dict, config_flags
 from deberta_jax.data import synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
-from deberta_jax.train import checkpoint
+from deberta_jax.train import checkpoint, validation, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
 flags.DEFINE_enum("mode", "run", ["run", "print", "report"],
@@ -147,7 +147,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
     base = dict(settings=dataclasses.asdict(settings), data_files=sweep.eval.data_files.to_dict())
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
-    length_study.warn_if_unpaired(
+    note = length_study.unpaired_note(
         (run["name"], pathlib.Path(run["workdir"], checkpoint.TOKENIZER_FILE).read_text()) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
@@ -173,7 +173,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
                     length_study.load_workdir_model(first), {name: spec})[0], datasets, settings, corpora)
             records += recs
     out = sweep.report_dir
-    means, _, plots = report.write_report(records, skipped, out)
+    means, _, plots = report.write_report(records, skipped, out, notes=[note] if note else [])
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
@@ -210,11 +210,13 @@ def main(argv):
         for run in runs:
             print(shlex.join(run["command"][1:]))
         return
-    if FLAGS.mode == "run":
-        train_all(runs)
-    print("report:", evaluate_and_report(sweep, runs))
+    # One sweep per workdir root (each run's train.py also locks its own workdir).
+    with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
+        if FLAGS.mode == "run":
+            train_all(runs)
+        print("report:", evaluate_and_report(sweep, runs))
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["sweep"])
-    app.run(main)
+    app.run(main, flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "sweep"))

@@ -15,18 +15,31 @@ Retention: the latest `keep` checkpoints plus the single best by eval loss, in o
 Saves are synchronous (the train step donates its input state, so a background writer must not
 read buffers the next step reuses; a save is rare and small next to the steps between saves).
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so an
-interrupted save leaves no checkpoint that `latest_step` would pick up; the previous one stays.
+interrupted save leaves no checkpoint that `latest_step` would pick up; the previous one stays, and
+`clear_interrupted_saves` removes the temporary directory before the next manager opens the folder.
+
+Checkpoints prove themselves: after a save, `<step>/sha256.json` records a digest of every file, and
+`restore_newest_intact` accepts a checkpoint only if its files match their digests and every restored
+value is finite. A damaged checkpoint (a flipped bit, a truncated or deleted file) is moved to
+`damaged_checkpoints/` with a warning that names it, and the next newest is tried, so a restart never
+stops on one bad save. A checkpoint without a digest (the process died between orbax's commit and the
+digest, or a workdir from before digests) is still restored, and still checked for finite values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx
 from ml_collections import config_dict
 from tokenizers import Tokenizer
@@ -34,12 +47,20 @@ from tokenizers import Tokenizer
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.train.sharding import sync_processes
 from deberta_jax.train.steps import TrainState
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "damaged_checkpoints"
+DIGEST_FILE = "sha256.json"
 BEST_METRIC = "eval_loss"
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint's files do not match their digests, cannot be read, or hold non-finite values."""
 
 
 def _best_metric(metrics: dict) -> float:
@@ -65,32 +86,153 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
     return ocp.CheckpointManager(Path(workdir).absolute() / CHECKPOINT_DIR, options=options)
 
 
+def clear_interrupted_saves(workdir: str | Path) -> list[str]:
+    """Removes what a save killed midway left in `workdir/checkpoints` (orbax's temporary directories);
+    returns their names. Call from one process before the manager opens the folder."""
+    root = Path(workdir) / CHECKPOINT_DIR
+    removed = sorted(p.name for p in root.glob(f"*{_ORBAX_TMP}*")) if root.is_dir() else []
+    for name in removed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return removed
+
+
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> Path:
+    return Path(manager.directory) / str(step)
+
+
+def _digests(step_dir: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(DIGEST_FILE)):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        out[str(path.relative_to(step_dir))] = digest.hexdigest()
+    return out
+
+
+def write_digest(step_dir: Path) -> None:
+    """Records the sha256 of every file of a committed checkpoint (written atomically: tmp, fsync, rename)."""
+    digests = _digests(step_dir)
+    tmp = step_dir / (DIGEST_FILE + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(digests, f, indent=0, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / DIGEST_FILE)
+
+
+def verify_files(step_dir: Path) -> None:
+    """Raises DamagedCheckpointError unless every file recorded in the digest is there, unchanged.
+    A checkpoint without a digest passes (nothing to compare; `restore_newest_intact` still checks values)."""
+    recorded_path = step_dir / DIGEST_FILE
+    if not recorded_path.is_file():
+        return
+    try:
+        recorded = json.loads(recorded_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise DamagedCheckpointError(f"{recorded_path} is unreadable ({err})") from None
+    actual = _digests(step_dir)
+    missing = sorted(set(recorded) - set(actual))
+    changed = sorted(k for k in recorded if k in actual and actual[k] != recorded[k])
+    if missing or changed:
+        raise DamagedCheckpointError(
+            f"{step_dir}: " + "; ".join(filter(None, [missing and f"missing files {missing[:5]}",
+                                                        changed and f"files changed since the save {changed[:5]}"])))
+
+
 def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None) -> None:
     """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best."""
     args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                               opt_state=ocp.args.StandardSave(state.opt_state))
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
-    manager.save(int(state.step), args=args, metrics=metrics)
+    step = int(state.step)
+    manager.save(step, args=args, metrics=metrics)
+    manager.wait_until_finished()
+    sync_processes(f"checkpoint {step} committed")  # every process's shards, before process 0 digests them
+    if jax.process_index() == 0:
+        write_digest(_step_dir(manager, step))
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainState) -> TrainState:
-    """Restores a full train state onto the shardings given in `abstract_state` (ShapeDtypeStructs)."""
+    """Restores a full train state onto the shardings given in `abstract_state` (ShapeDtypeStructs),
+    after checking the files against their digests; non-finite values raise DamagedCheckpointError."""
+    verify_files(_step_dir(manager, step))
     restored = manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract_state.params),
         opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
+    if not bool(_all_finite((restored.params, restored.opt_state))):
+        raise DamagedCheckpointError(f"{_step_dir(manager, step)} holds NaN or inf values")
     step = jax.device_put(np.asarray(step, np.int32), abstract_state.step.sharding)
     return TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
 
 
+def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainState, workdir: str | Path
+                          ) -> TrainState | None:
+    """The newest checkpoint that restores intact (see `restore`), or None when there is none at all.
+
+    Each damaged one met on the way is moved to `workdir/damaged_checkpoints/` (kept for inspection, out of
+    the manager's sight so retention and `latest_step` ignore it) with a warning naming it. If every
+    checkpoint is damaged, raises DamagedCheckpointError: starting over silently would discard the run.
+    """
+    damaged = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            state = restore(manager, step, abstract_state)
+        except Exception as err:  # noqa: BLE001 - tensorstore/orbax raise many types for unreadable data
+            reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            damaged.append(step)
+            logging.warning("checkpoint %d in %s is damaged (%s); moving it to %s and trying the previous one",
+                            step, manager.directory, reason, DAMAGED_DIR)
+            if jax.process_index() == 0:
+                _quarantine(_step_dir(manager, step), Path(workdir) / DAMAGED_DIR)
+            sync_processes(f"checkpoint {step} quarantined")
+            continue
+        if damaged:
+            manager.reload()
+            logging.warning("resumed from step %d, the newest intact checkpoint; damaged: %s", step, damaged)
+        return state
+    if damaged:
+        raise DamagedCheckpointError(
+            f"every checkpoint in {Path(workdir) / CHECKPOINT_DIR} was damaged ({damaged}; moved to "
+            f"{Path(workdir) / DAMAGED_DIR}). Restore them from a backup, or start over with another --workdir.")
+    return None
+
+
+def _quarantine(step_dir: Path, damaged_root: Path) -> None:
+    damaged_root.mkdir(parents=True, exist_ok=True)
+    target, n = damaged_root / step_dir.name, 1
+    while target.exists():
+        target, n = damaged_root / f"{step_dir.name}.{n}", n + 1
+    shutil.move(str(step_dir), str(target))
+
+
 def write_config(workdir: str | Path, config: config_dict.ConfigDict) -> None:
+    """Writes config.json whole (temporary file, then rename), so a kill never leaves half of it."""
     path = Path(workdir) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp = path.with_name(CONFIG_FILE + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise OSError(f"cannot write {path} ({err.strerror}); is {path.parent} writable?") from None
 
 
 def read_config(workdir: str | Path) -> config_dict.ConfigDict:
     path = Path(workdir) / CONFIG_FILE
     if not path.is_file():
+        if (Path(workdir) / CHECKPOINT_DIR).is_dir():
+            raise FileNotFoundError(
+                f"{path} is missing, but {workdir} holds checkpoints: the model they belong to is described only "
+                f"in {CONFIG_FILE}, so neither a resumed train.py nor eval.py can rebuild it. Restore {CONFIG_FILE} "
+                "from a backup, or start over with another --workdir.")
         raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir (train.py writes "
                                 f"{CONFIG_FILE} there at start-up)")
     return config_dict.ConfigDict(json.loads(path.read_text()))
@@ -133,6 +275,13 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                                    nnx.to_pure_dict(abstract_state))
+    try:
+        verify_files(_step_dir(manager, chosen))
+    except DamagedCheckpointError as err:
+        others = sorted(set(manager.all_steps()) - {chosen})
+        raise DamagedCheckpointError(f"checkpoint {chosen} is damaged: {err}. Load another step "
+                                     f"(available: {others}), or resume training, which sets damaged ones aside."
+                                     ) from None
     restored = manager.restore(chosen, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     manager.close()
     return config, nnx.merge(graphdef, restored.params), tokenizer

@@ -1,25 +1,43 @@
 """Metrics to `workdir/metrics.jsonl` (one JSON object per line, with its `step`) and TensorBoard.
 
 On resume the JSON lines past the resumed step are dropped first: they came from steps that are
-about to be recomputed, and keeping them would leave two values for one step.
+about to be recomputed, and keeping them would leave two values for one step. Every JSON line is
+flushed and fsynced as it is written, so the file is complete up to the last logged step whenever the
+process stops; TensorBoard's copy is best-effort (its writer thread is given `CLOSE_TIMEOUT_S` to
+finish, so an interrupted run exits instead of hanging in the thread's join).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
+
+from absl import logging
 
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+CLOSE_TIMEOUT_S = 10.0
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
+    """Every record of `workdir/metrics.jsonl`. A last line cut short (the process was killed while writing it)
+    is left out: its step is past the last checkpoint, so the resumed run writes it again."""
     path = Path(workdir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON: the file is damaged") from None
+    return records
 
 
 class MetricsWriter:
@@ -39,10 +57,19 @@ class MetricsWriter:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         for name, value in metrics.items():
             self.tensorboard.add_scalar(name, value, step)
         self.tensorboard.flush()
 
-    def close(self) -> None:
-        if self.enabled:
-            self.tensorboard.close()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Closes TensorBoard's writer, waiting at most `timeout_s` for its thread (metrics.jsonl is complete)."""
+        if not self.enabled:
+            return
+        closer = threading.Thread(target=self.tensorboard.close, daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            logging.warning("TensorBoard's writer did not close within %.0f s; its last events may be missing "
+                            "(%s is complete)", timeout_s, self.path)

@@ -69,3 +69,11 @@ def global_batch(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -> 
         global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
     return {name: place(x) for name, x in local_rows.items()}
+
+
+def sync_processes(tag: str) -> None:
+    """A barrier across processes (a no-op in a single-process run): what one process wrote to shared
+    storage before it is visible to all after it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(tag)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 from ml_collections import config_dict
 
@@ -141,3 +142,42 @@ def differences(old: config_dict.ConfigDict, new: config_dict.ConfigDict) -> dic
         return out
     a, b = flat(old.to_dict()), flat(new.to_dict())
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def load_config_file(spec: str):
+    """`get_config(arg)` of a `path/to/config.py[:arg]` spec, as ml_collections' config flags load it."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_config_for_error", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def parse_config_flags(flags, argv: list[str], flag: str):
+    """`flags(argv)`, turning ml_collections' bare `AttributeError: 'foo'` for an override of a field the config
+    lacks (`--config.model.foo=1`) into a usage error that names the flag and lists the fields that exist."""
+    try:
+        return flags(argv)
+    except (AttributeError, KeyError) as err:  # KeyError for a missing section, AttributeError for a field
+        found = re.search(r"'([^'\\]+)", str(err))
+        missing = found.group(1) if found else ""
+        prefix = f"--{flag}."
+        override = next((a for a in argv if a.startswith(prefix) and missing in a.split("=")[0].split(".")), None)
+        spec = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
+        if spec is None and f"--{flag}" in argv[:-1]:
+            spec = argv[argv.index(f"--{flag}") + 1]
+        if override is None or spec is None:
+            raise
+        node, where = load_config_file(spec), [flag]
+        for part in override[len(prefix):].split("=")[0].split("."):
+            if not hasattr(node, "keys") or part not in node:
+                missing = part
+                break
+            node = node[part]
+            where.append(part)
+        where = ".".join(where)
+        known = sorted(node.keys()) if hasattr(node, "keys") else []
+        raise SystemExit(f"{override.split('=')[0]}: {where} has no field {missing!r}; its fields are {known}. "
+                         f"Check the spelling, or add the field to {spec.partition(':')[0]}.") from None

@@ -1,0 +1,148 @@
+"""Eval loss against training step for runs trained on the same batches: where each leaves the unigram plateau.
+
+    python -m deberta_jax.study.curves --workdir bert=runs/bert --workdir deberta=runs/deberta \
+        --out results/natural/curves
+
+A masked LM first learns the unigram distribution (the loss of predicting every masked token from word
+frequencies alone) and only later learns to use its context; how long it sits on that plateau depends on
+how easily its position scheme lets attention find the neighbours. The floor is scored here on the same
+targets as the runs' logged eval loss (the training-time evaluation is the chunked protocol at the training
+length over all of `config.data.eval_files`), with counts from the first run's training files and tokenizer.
+A run "leaves the plateau" at the first evaluation whose loss is `margin` nats below that floor.
+
+Writes `curves.md` (a table of eval loss by step, the floor and each run's exit step), `curves.json` and
+`eval_loss_vs_step.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+
+from deberta_jax.data.text import load_documents
+from deberta_jax.study import length_study
+from deberta_jax.train import checkpoint, metrics_io
+
+DEFAULT_MARGIN = 0.1
+
+
+def eval_curve(workdir: str) -> dict[int, float]:
+    """`{step: eval_loss}` of every evaluation a run logged."""
+    return {r["step"]: r["eval_loss"] for r in metrics_io.read_metrics(workdir) if "eval_loss" in r}
+
+
+def unigram_floor(workdir: str) -> float:
+    """The unigram model's loss on the run's own eval targets (chunked protocol, training length, all tokens)."""
+    config = checkpoint.read_config(workdir)
+    reference = length_study.unigram_reference(length_study.load_workdir_model(workdir))
+    settings = length_study.StudySettings(lengths=(int(config.data.seq_len),), protocols=("chunked",),
+                                          max_eval_tokens=0, bootstrap=10)
+    records, _ = length_study.run_study([reference], {"eval": load_documents(config.data.eval_files)}, settings)
+    return next(r["value"] for r in records if r["metric"] == "loss" and r["bucket"] == "all")
+
+
+def plateau_exit(curve: dict[int, float], floor: float, margin: float) -> int | None:
+    """The first logged step whose eval loss is at least `margin` below `floor`, or None."""
+    return next((step for step in sorted(curve) if curve[step] <= floor - margin), None)
+
+
+def check_same_batches(workdirs: dict[str, str]) -> None:
+    """Refuses runs whose data, seed or schedule differ: their curves would not be comparable step for step."""
+    keys = ("seed", "data.train_files", "data.eval_files", "data.seq_len", "data.mask_prob", "train.batch_size",
+            "train.num_steps", "train.learning_rate", "train.warmup_steps", "train.schedule")
+    def values(workdir):
+        config = checkpoint.read_config(workdir)
+        out = {}
+        for key in keys:
+            node = config
+            for part in key.split("."):
+                node = node[part]
+            out[key] = node
+        return out
+    first_label, first = next(iter(workdirs.items()))
+    reference = values(first)
+    for label, workdir in workdirs.items():
+        differ = {k: (reference[k], v) for k, v in values(workdir).items() if v != reference[k]}
+        if differ:
+            raise ValueError(f"{label} ({workdir}) was not trained like {first_label}: "
+                             + ", ".join(f"config.{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()))
+
+
+def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = DEFAULT_MARGIN) -> str:
+    """Writes the table, JSON and plot for `{label: workdir}`; returns the Markdown."""
+    check_same_batches(workdirs)
+    first = next(iter(workdirs.values()))
+    floor = unigram_floor(first)
+    curves = {label: eval_curve(w) for label, w in workdirs.items()}
+    exits = {label: plateau_exit(c, floor, margin) for label, c in curves.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "curves.json"), "w") as f:
+        json.dump(dict(unigram_floor=floor, margin=margin, exits=exits, workdirs=workdirs,
+                       curves={k: {str(s): v for s, v in c.items()} for k, c in curves.items()}), f, indent=1)
+    steps = sorted(set().union(*curves.values()))
+    labels = list(curves)
+    config = checkpoint.read_config(first)
+    lines = ["# Eval loss by training step", "",
+             f"Same batches for every run (seed {config.seed}, {config.train.batch_size} x {config.data.seq_len} tokens "
+             f"per step, {config.train.num_steps} steps); eval on `{config.data.eval_files}`. Unigram floor on the same "
+             f"targets: **{floor:.3f}** nats. A run leaves the plateau at its first evaluation {margin:g} nats below it.",
+             "", "| run | leaves the plateau at step | final eval loss | below the floor by |", "|---|---|---|---|"]
+    for label in labels:
+        last = curves[label][max(curves[label])]
+        lines.append(f"| {label} | {exits[label] if exits[label] is not None else 'not within the run'} | "
+                     f"{last:.3f} | {floor - last:.3f} |")
+    lines += ["", "| step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for step in steps:
+        lines.append(f"| {step} | " + " | ".join(f"{curves[k][step]:.3f}" if step in curves[k] else "–"
+                                                 for k in labels) + " |")
+    markdown = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "curves.md"), "w") as f:
+        f.write(markdown)
+    _plot(curves, floor, margin, os.path.join(out_dir, "eval_loss_vs_step.png"))
+    return markdown
+
+
+def _plot(curves: dict[str, dict[int, float]], floor: float, margin: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, curve in curves.items():
+        steps = sorted(curve)
+        ax.plot(steps, [curve[s] for s in steps], label=label)
+    ax.axhline(floor, color="black", linestyle="--", linewidth=1, label="unigram floor")
+    ax.axhline(floor - margin, color="grey", linestyle=":", linewidth=1, label=f"floor - {margin:g} (plateau exit)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("eval masked-token loss (nats)")
+    ax.set_title("Where each position scheme leaves the unigram plateau")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("workdir", [], "LABEL=WORKDIR of a run; repeat. The first run's data gives the floor.")
+flags.DEFINE_string("out", None, "Output directory.")
+flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the unigram floor that count as leaving the plateau.")
+
+
+def main(argv):
+    del argv
+    workdirs = {}
+    for item in FLAGS.workdir:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise app.UsageError(f"--workdir={item!r}: use LABEL=WORKDIR, e.g. --workdir bert=runs/bert")
+        workdirs[label] = path
+    if not workdirs or not FLAGS.out:
+        raise app.UsageError("give at least one --workdir LABEL=WORKDIR and --out")
+    print(write_curves_report(workdirs, FLAGS.out, FLAGS.margin))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,353 @@
+"""Reliability: the workdir lock, checkpoints that prove themselves (digests, finite values, fallback to the
+newest intact one), resume after SIGKILL at any moment, and clear errors for bad input.
+
+Training runs here are `micro` DeBERTa runs on small synthetic data (no files), a few seconds each.
+"""
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import train
+from configs import deberta
+from deberta_jax.data import packing, text
+from deberta_jax.data import tokenizer as tokenizer_lib
+from deberta_jax.study import length_study, report, scoring
+from deberta_jax.train import checkpoint, metrics_io, validation, workdir_lock
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8
+TRAIN = "synthetic:markov:train:docs=40,doc_len=256"
+VALID = "synthetic:markov:validation:docs=4,doc_len=256"
+
+
+def overrides(cache_dir, **train_fields) -> dict:
+    """The micro preset's changes for these runs, as flattened config keys."""
+    values = {"data.train_files": TRAIN, "data.eval_files": VALID, "data.cache_dir": str(cache_dir),
+              "train.num_steps": STEPS, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
+              "train.checkpoint_every": 2, "train.keep_checkpoints": 3}
+    values.update({f"train.{k}": v for k, v in train_fields.items()})
+    return values
+
+
+def micro_config(cache_dir, **train_fields):
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict(overrides(cache_dir, **train_fields))
+    return config
+
+
+def params_of(workdir, step=None):
+    return nnx.to_pure_dict(nnx.state(checkpoint.load_workdir(workdir, step)[1]))
+
+
+def logged(workdir):
+    """Every logged value but the wall-clock rate, by step."""
+    return {r["step"]: {k: v for k, v in r.items() if k != "tokens_per_s"} for r in metrics_io.read_metrics(workdir)}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def straight_run(cache, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    train.train_and_evaluate(micro_config(cache), workdir)
+    return workdir
+
+
+def step_dir(workdir, step):
+    return workdir / checkpoint.CHECKPOINT_DIR / str(step)
+
+
+def largest_file(directory):
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+HOLDER = ("import sys, time\nfrom deberta_jax.train import workdir_lock\n"
+          "with workdir_lock.hold(sys.argv[1], what='test holder'):\n    print('held', flush=True)\n    time.sleep(120)\n")
+
+
+def test_a_held_workdir_is_refused_naming_the_holder_and_freed_when_it_is_killed(tmp_path, caplog):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"in use by PID {holder.pid} .*test holder.*another --workdir"):
+            with workdir_lock.hold(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    # SIGKILL released the lock; its record stays behind and is reported as stale, with the dead PID.
+    with caplog.at_level(logging.WARNING), workdir_lock.hold(tmp_path):
+        assert json.loads((tmp_path / workdir_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"PID {holder.pid}" in caplog.text and "without releasing its lock" in caplog.text
+    assert (tmp_path / workdir_lock.LOCK_FILE).read_text() == ""  # a clean exit leaves nothing stale
+
+
+@pytest.mark.slow
+def test_a_second_training_run_on_a_busy_workdir_is_refused_before_it_writes(cache, tmp_path):
+    with workdir_lock.hold(tmp_path, what="the first run"):
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="the first run"):
+            train.train_and_evaluate(micro_config(cache), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [workdir_lock.LOCK_FILE]
+
+
+# ------------------------------------------------------------------------------ checkpoints prove themselves
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped_bit", "truncated_file", "deleted_manifest", "nan_values"])
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+        damage, cache, straight_run, tmp_path, caplog):
+    """Resume from the newest intact checkpoint, retrain the lost steps: the result equals the straight run."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    target = step_dir(run, STEPS)
+    if damage == "flipped_bit":
+        data = largest_file(target / "params")
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+    elif damage == "truncated_file":
+        data = largest_file(target / "opt_state")
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        (target / checkpoint.DIGEST_FILE).unlink()  # no digest: the read itself must fail and be caught
+    elif damage == "deleted_manifest":
+        next(p for p in (target / "params").rglob("manifest.ocdbt")).unlink()
+    else:  # values that were NaN when saved: digests match, so only the finite check can catch them
+        state = jax.jit(train_state_fn(run))()
+        nan = jax.tree.map(lambda x: x * np.nan, state.params)
+        shutil.rmtree(target)
+        manager = checkpoint.checkpoint_manager(run, keep=5)
+        checkpoint.save(manager, state.replace(step=np.int32(STEPS), params=nan))
+        manager.close()
+    with caplog.at_level(logging.WARNING):
+        train.train_and_evaluate(micro_config(cache), run)
+    assert f"checkpoint {STEPS} in" in caplog.text and "is damaged" in caplog.text
+    assert f"resumed from step {STEPS - 2}" in caplog.text
+    assert (run / checkpoint.DAMAGED_DIR / str(STEPS)).is_dir()  # kept for inspection
+    jax.tree.map(np.testing.assert_array_equal, params_of(run), params_of(straight_run))
+    assert logged(run) == logged(straight_run)
+
+
+def train_state_fn(workdir):
+    """The init function of the run in `workdir` (for abstract shapes)."""
+    from deberta_jax.model.config import ModelConfig
+    from deberta_jax.train import optim, steps
+
+    config = checkpoint.read_config(workdir)
+    model = ModelConfig.from_dict(config.model.to_dict())
+    t = config.train
+    schedule = optim.learning_rate_schedule(t.learning_rate, t.warmup_steps, t.num_steps, t.schedule)
+    return steps.make_init_fn(model, optim.make_optimizer(t, schedule), config.seed)
+
+
+@pytest.mark.slow
+def test_every_checkpoint_damaged_is_an_error_not_a_silent_restart(cache, straight_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    for step in checkpoint.checkpoint_manager(run, read_only=True).all_steps():
+        data = largest_file(step_dir(run, step) / "params")
+        data.write_bytes(data.read_bytes()[::-1])
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="every checkpoint in .* was damaged"):
+        train.train_and_evaluate(micro_config(cache), run)
+
+
+@pytest.mark.slow
+def test_load_workdir_names_a_damaged_checkpoint_and_the_intact_ones(straight_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    data = largest_file(step_dir(run, STEPS) / "params")
+    data.write_bytes(data.read_bytes()[:-1] + b"\0")
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=rf"checkpoint {STEPS} is damaged.*available: \[4, 6\]"):
+        checkpoint.load_workdir(run)
+    params_of(run, STEPS - 2)  # the others load
+
+
+@pytest.mark.slow
+def test_resuming_with_another_vocab_size_is_refused_and_older_workdirs_still_resume(cache, tmp_path):
+    """config.model.vocab_size changes the tokenizer a run trains, which a resumed run does not retrain."""
+    config = micro_config(cache, num_steps=4)
+    config.data.train_files = config.data.eval_files = str(tmp_path / "text.txt")
+    (tmp_path / "text.txt").write_text("\n\n".join(f"document {i} says words and more words {i % 7}" for i in range(300)))
+    config.model.vocab_size = 120
+    train.train_and_evaluate(config, tmp_path / "run", stop_at_step=2)
+    config.model.vocab_size = 150
+    with pytest.raises(validation.ConfigError, match=r"tokenizer_trained_for_vocab_size 120 -> 150"):
+        train.train_and_evaluate(config, tmp_path / "run")
+    # A workdir written before layer_norm_placement (and the vocabulary record) existed resumes as it was.
+    saved = json.loads((tmp_path / "run" / checkpoint.CONFIG_FILE).read_text())
+    del saved["model"]["layer_norm_placement"], saved["data"][train.VOCAB_REQUEST]
+    (tmp_path / "run" / checkpoint.CONFIG_FILE).write_text(json.dumps(saved))
+    config.model.vocab_size = 120
+    train.train_and_evaluate(config, tmp_path / "run")
+    assert checkpoint.checkpoint_manager(tmp_path / "run", read_only=True).latest_step() == 4
+
+
+# ---------------------------------------------------------------------------------- SIGKILL at any moment
+KILLS = 20
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_stops_the_next_restart(straight_run, cache, tmp_path):
+    """train.py killed (SIGKILL) 20 times at random moments, from start-up through compilation, steps, saves and
+    evaluation, then run to the end: every logged value and the final parameters equal an uninterrupted run's."""
+    def command(workdir):
+        return [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(workdir),
+                *[f"--config.{k}={v}" for k, v in overrides(cache).items()]]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache / "jit"))
+    rng = random.Random(0)
+    start = time.perf_counter()
+    subprocess.run(command(tmp_path / "timing"), cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    full = time.perf_counter() - start  # an uninterrupted run, start to end, on this machine now
+    kills = 0
+    while kills < KILLS:
+        process = subprocess.Popen(command(tmp_path), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=rng.uniform(0.2, 1.1) * full)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            kills += 1
+            continue
+        assert process.returncode == 0, f"a restart after {kills} kills failed (exit {process.returncode})"
+        shutil.rmtree(tmp_path / checkpoint.CHECKPOINT_DIR)  # finished before the kill: start over, keep killing
+        (tmp_path / metrics_io.METRICS_FILE).unlink()
+    result = subprocess.run(command(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert logged(tmp_path) == logged(straight_run)
+    jax.tree.map(np.testing.assert_array_equal, params_of(tmp_path), params_of(straight_run))
+
+
+
+# ------------------------------------------------------------------------------------ clear errors
+def test_an_unknown_config_field_names_the_flag_and_lists_the_fields(tmp_path):
+    def train_py(override):
+        return subprocess.run([sys.executable, "train.py", "--config", "configs/bert.py:micro", "--workdir",
+                               str(tmp_path), override], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = train_py("--config.model.foo=1")
+    assert result.returncode != 0
+    assert "--config.model.foo: config.model has no field 'foo'; its fields are [" in result.stderr
+    assert "'hidden_size'" in result.stderr and "Traceback" not in result.stderr
+    result = train_py("--config.trian.num_steps=1")
+    assert "--config.trian.num_steps: config has no field 'trian'; its fields are ['data', 'mesh'" in result.stderr
+
+
+def test_a_literal_path_wins_over_a_glob_and_binary_text_is_named(tmp_path):
+    (tmp_path / "train[1].txt").write_text("the literal file\n")
+    (tmp_path / "train1.txt").write_text("what the glob would match\n")
+    assert text.resolve_files(str(tmp_path / "train[1].txt")) == [tmp_path / "train[1].txt"]
+    assert text.resolve_files(str(tmp_path / "train[0-9].txt")) == [tmp_path / "train1.txt"]
+    (tmp_path / "zeros.txt").write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match=r"zeros.txt contains NUL bytes"):
+        text.load_documents(str(tmp_path / "zeros.txt"))
+
+
+def test_text_that_tokenizes_to_nothing_names_the_data_spec(tmp_path):
+    tokenizer = tokenizer_lib.train_tokenizer(["some words to learn a vocabulary from"] * 20, 100)
+    (tmp_path / "controls.txt").write_text("\x01\x02\x03\n")
+    with pytest.raises(packing.NoTokensError, match=r"controls.txt.*contain no tokens"):
+        packing.load_or_pack(str(tmp_path / "controls.txt"), tokenizer, 16, tmp_path / "cache")
+
+
+def test_a_truncated_tokenizer_file_is_named(tmp_path):
+    tokenizer = tokenizer_lib.train_tokenizer(["some words to learn a vocabulary from"] * 20, 100)
+    tokenizer_lib.save_tokenizer(tokenizer, tmp_path / "tokenizer.json")
+    (tmp_path / "cut.json").write_text((tmp_path / "tokenizer.json").read_text()[:200])
+    with pytest.raises(ValueError, match=r"tokenizer file .*cut.json cannot be read"):
+        tokenizer_lib.load_tokenizer(tmp_path / "cut.json")
+
+
+def test_a_workdir_without_config_but_with_checkpoints_is_described_truly(tmp_path):
+    (tmp_path / checkpoint.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="is missing, but .* holds checkpoints"):
+        checkpoint.read_config(tmp_path)
+
+
+def test_one_document_gives_no_interval_rather_than_a_zero_width_one():
+    resamples = scoring.document_resamples(1, 50)
+    assert scoring.bootstrap_ratio_ci(np.array([6.0]), np.array([1.0]), resamples) == (None, None)
+    resamples = scoring.document_resamples(3, 200)
+    lo, hi = scoring.bootstrap_ratio_ci(np.array([6.0, 3.0, 9.0]), np.array([1.0, 1.0, 1.0]), resamples)
+    assert lo < 6.0 < hi
+
+
+def test_models_with_different_tokenizers_get_a_warning_in_the_summary(tmp_path):
+    note = length_study.unpaired_note([("a", "tok1"), ("b", "tok1"), ("c", "tok2")])
+    assert "2 different tokenizers" in note and "group 1: a, b; group 2: c" in note
+    assert length_study.unpaired_note([("a", "tok1"), ("b", "tok1")]) is None
+    record = dict(model="a", seed=0, source="a", policy="none", protocol="chunked", dataset="d", train_len=8,
+                  eval_len=8, multiple=1.0, offset=None, bucket="all", metric="loss", value=1.0, ci_low=None,
+                  ci_high=None, n_tokens=10)
+    _, summary, _ = report.write_report([record], [], str(tmp_path), notes=[note])
+    assert "**Warning.**" in summary and "group 2: c" in (tmp_path / "summary.md").read_text()
+
+
+def test_dense_attention_that_cannot_fit_is_refused_before_scoring_with_the_fix():
+    from deberta_jax.model.config import ModelConfig
+    from deberta_jax.model.encoder import MaskedLM
+
+    model = MaskedLM(ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=4, intermediate_size=32),
+                     rngs=nnx.Rngs(0))
+    em = length_study.EvalModel("m", 0, "m", model, None, 64)
+    settings = length_study.StudySettings(lengths=(65536,))
+    with pytest.raises(MemoryError, match=r"needs about 128 GiB .*--attention_kernel blockwise"):
+        length_study.check_dense_memory([em], settings, available=24 * 2**30)
+    length_study.check_dense_memory([em], length_study.StudySettings(lengths=(4096,)), available=24 * 2**30)
+
+
+def test_metrics_survive_a_torn_last_line_and_a_hung_tensorboard_close(tmp_path, monkeypatch):
+    writer = metrics_io.MetricsWriter(tmp_path, resume_step=0)
+    writer.write(1, {"loss": 2.0})
+    monkeypatch.setattr(writer.tensorboard, "close", lambda: time.sleep(60))
+    start = time.perf_counter()
+    writer.close(timeout_s=0.5)
+    assert time.perf_counter() - start < 5
+    with (tmp_path / metrics_io.METRICS_FILE).open("a") as f:
+        f.write('{"step": 2, "lo')  # killed mid-line
+    assert metrics_io.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_eval_py_checks_its_output_and_lengths_before_working(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    common = [sys.executable, "eval.py", "--workdir", str(tmp_path), "--data_files", "synthetic:markov:test"]
+    result = subprocess.run(common + ["--out", str(tmp_path / "a_file" / "out")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "is not writable" in result.stderr
+    result = subprocess.run(common + ["--out", str(tmp_path / "out"), "--lengths", "100000"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--lengths=100000 is out of range" in result.stderr
+
+
+class _Payload:
+    """Unpickling this runs `open(path, "w")`: a stand-in for malicious code in a pickled checkpoint."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_hf_load_never_unpickles(tmp_path):
+    import pickle
+
+    from deberta_jax.model import hf
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deberta-v2"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(str(tmp_path / "pwned"))))
+    with pytest.raises(FileNotFoundError, match="only safetensors checkpoints are read"):
+        hf.load(tmp_path)
+    assert not (tmp_path / "pwned").exists()
