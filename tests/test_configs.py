@@ -128,3 +128,27 @@ def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
     assert result.returncode != 0
     assert "config.train.schedule='exponential' is not a schedule" in result.stderr
     assert "/no/such/file.txt" not in result.stderr
+
+
+@pytest.mark.parametrize("arg", ["", "smoke"])
+def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
+    """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
+    from configs.sweeps import natural
+    from deberta_jax.study import sweep
+
+    plan = natural.get_config(arg)
+    resolved = {}
+    for variant in plan.variants:
+        family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
+        config = family.get_config("tiny")
+        config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
+        config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+        config.data.seq_len = plan.seq_lens[0]
+        validate(config, num_devices=1)
+        resolved[variant.name] = config
+    assert sorted(resolved) == sorted(natural.NAMES)
+    recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout, c.train.to_dict())
+               for name, c in resolved.items()}
+    assert len(set(map(repr, recipes.values()))) == 1  # one recipe for all
+    if not arg:
+        assert recipes["bert"][:3] == (0.3, 0.0, 0.0) and resolved["bert"].train.learning_rate == 2e-3

@@ -207,7 +207,7 @@ def test_sigkill_at_random_moments_never_stops_the_next_restart(straight_run, ca
     def command(workdir):
         return [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(workdir),
                 *[f"--config.{k}={v}" for k, v in overrides(cache).items()]]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache / "jit"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     rng = random.Random(0)
     start = time.perf_counter()
     subprocess.run(command(tmp_path / "timing"), cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
@@ -351,3 +351,20 @@ def test_hf_load_never_unpickles(tmp_path):
     with pytest.raises(FileNotFoundError, match="only safetensors checkpoints are read"):
         hf.load(tmp_path)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_an_unwritable_workdir_is_named(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"cannot create the workdir lock .*a_file/run/.lock .*writable directory"):
+        with workdir_lock.hold(tmp_path / "a_file" / "run"):
+            pass
+
+
+def test_evaluation_text_without_targets_is_refused_at_start_up(cache, tmp_path):
+    """One token gets no masked target: the eval loss would be 0/0 (it used to be logged as 0.0, then "best")."""
+    (tmp_path / "one_word.txt").write_text("a\n")
+    config = micro_config(cache)
+    config.data.eval_files = str(tmp_path / "one_word.txt")
+    with pytest.raises(validation.ConfigError, match=r"one_word.txt.* yields no masked targets .*eval_files=''"):
+        train.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run" / checkpoint.CHECKPOINT_DIR).exists()

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
 from absl import logging
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it is installed
+    (only to accept torch tensors; we log floats), which would add seconds to every train.py start-up."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # makes `import torch` fail inside tensorboardX, which then does without it
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -49,8 +62,10 @@ class MetricsWriter:
             return
         self.path = Path(workdir) / METRICS_FILE
         kept = [record for record in read_metrics(workdir) if record["step"] <= resume_step]
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        self.tensorboard = SummaryWriter(str(Path(workdir) / TENSORBOARD_DIR))
+        tmp = self.path.with_name(METRICS_FILE + ".tmp")  # rewritten whole, then renamed: a kill loses nothing
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        os.replace(tmp, self.path)
+        self.tensorboard = _summary_writer_class()(str(Path(workdir) / TENSORBOARD_DIR))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -54,12 +54,13 @@ def _describe(holder: dict | None) -> str:
 def hold(workdir: str | Path, what: str = "train.py") -> Iterator[None]:
     """Holds `workdir`'s lock for the `with` block; raises WorkdirBusyError naming the holder if taken."""
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / LOCK_FILE
     try:
+        workdir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise OSError(f"cannot create the workdir lock {path}: {err.strerror}; is {workdir} writable?") from err
+        raise OSError(f"cannot create the workdir lock {path} ({err.strerror}): is {workdir} a writable "
+                      "directory? Pass a --workdir you can write to.") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
