@@ -202,38 +202,63 @@ KILLS = 20
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_stops_the_next_restart(straight_run, cache, tmp_path):
-    """train.py killed (SIGKILL) 20 times at random moments, from start-up through compilation, steps, saves and
-    evaluation, then run to the end: every logged value and the final parameters equal an uninterrupted run's."""
+    """train.py killed (SIGKILL) 20 times at random moments, then run to the end: every logged value and the final
+    parameters equal an uninterrupted run's.
+
+    A kill lands either during start-up (a random delay of up to START_UP_S) or a random 0-0.3 s after the k-th
+    change of metrics.jsonl since launch (k in 1..4: the start-up rewrite, then one line per step), so kills walk
+    through start-up, steps, checkpoint saves and evaluations without waiting for whole runs."""
     def command(workdir):
         return [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(workdir),
                 *[f"--config.{k}={v}" for k, v in overrides(cache).items()]]
-    # JAX's persistent compilation cache, filled by the first uninterrupted run, makes each restart cost seconds
-    # (start-up, not compilation); the kills still land in start-up, steps, saves and evaluations.
+    # JAX's persistent compilation cache, filled by a first uninterrupted run, makes each restart cost its
+    # start-up, not a compilation.
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jit-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    rng = random.Random(0)
     subprocess.run(command(tmp_path / "warm-up"), cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
-    start = time.perf_counter()
-    subprocess.run(command(tmp_path / "timing"), cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
-    full = time.perf_counter() - start  # an uninterrupted run, start to end, on this machine now
+    metrics = tmp_path / "run" / metrics_io.METRICS_FILE
+    rng = random.Random(0)
     kills = 0
     while kills < KILLS:
-        process = subprocess.Popen(command(tmp_path), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            process.wait(timeout=rng.uniform(0.2, 1.1) * full)
-        except subprocess.TimeoutExpired:
+        process = subprocess.Popen(command(tmp_path / "run"), cwd=REPO, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if rng.random() < 0.3:
+            deadline = time.monotonic() + rng.uniform(0.0, START_UP_S)
+        else:
+            deadline = _after_changes(metrics, rng.randint(1, 4), process) + rng.uniform(0.0, 0.3)
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait()
             kills += 1
             continue
         assert process.returncode == 0, f"a restart after {kills} kills failed (exit {process.returncode})"
-        shutil.rmtree(tmp_path / checkpoint.CHECKPOINT_DIR)  # finished before the kill: start over, keep killing
-        (tmp_path / metrics_io.METRICS_FILE).unlink()
-    result = subprocess.run(command(tmp_path), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        shutil.rmtree(tmp_path / "run")  # finished before the kill: start over and keep killing
+    result = subprocess.run(command(tmp_path / "run"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert logged(tmp_path) == logged(straight_run)
-    jax.tree.map(np.testing.assert_array_equal, params_of(tmp_path), params_of(straight_run))
+    assert logged(tmp_path / "run") == logged(straight_run)
+    jax.tree.map(np.testing.assert_array_equal, params_of(tmp_path / "run"), params_of(straight_run))
 
+
+START_UP_S = 3.0
+
+
+def _after_changes(path, count: int, process) -> float:
+    """The monotonic time at which `path` has changed `count` times since now (or `process` has exited)."""
+    def stamp():
+        try:
+            info = path.stat()
+            return info.st_mtime_ns, info.st_size, info.st_ino
+        except FileNotFoundError:
+            return None
+    last, seen = stamp(), 0
+    while seen < count and process.poll() is None:
+        time.sleep(0.005)
+        now = stamp()
+        if now != last:
+            last, seen = now, seen + 1
+    return time.monotonic()
 
 
 # ------------------------------------------------------------------------------------ clear errors

@@ -126,9 +126,13 @@ def _plot(curves: dict[str, dict[int, float]], floor: float, margin: float, path
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("workdir", [], "LABEL=WORKDIR of a run; repeat. The first run's data gives the floor.")
-flags.DEFINE_string("out", None, "Output directory.")
-flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the unigram floor that count as leaving the plateau.")
+
+
+def define_flags() -> None:
+    """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
+    flags.DEFINE_multi_string("workdir", [], "LABEL=WORKDIR of a run; repeat. The first run's data gives the floor.")
+    flags.DEFINE_string("out", None, "Output directory.")
+    flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the unigram floor that count as leaving the plateau.")
 
 
 def main(argv):
@@ -145,4 +149,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
