@@ -201,7 +201,9 @@ def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainS
     if damaged:
         raise DamagedCheckpointError(
             f"every checkpoint in {Path(workdir) / CHECKPOINT_DIR} was damaged ({damaged}; moved to "
-            f"{Path(workdir) / DAMAGED_DIR}). Restore them from a backup, or start over with another --workdir.")
+            f"{Path(workdir) / DAMAGED_DIR}; the warnings above give each reason). If the reason is not damage "
+            f"(e.g. a library that cannot read them), move them back into {CHECKPOINT_DIR}/; otherwise restore them "
+            "from a backup, or start over with another --workdir.")
     return None
 
 
