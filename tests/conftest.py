@@ -1,0 +1,26 @@
+"""Suite-wide set-up: one persistent JAX compilation cache for every test process.
+
+Dozens of tests train or evaluate the same micro models, in-process and through `train.py` / `eval.py`
+subprocesses; each would compile the same train and eval steps again. JAX's persistent cache (keyed by the
+computation, the devices and the compile options, so a cached executable is the one a fresh compile would
+give) lets them load it instead. The cache lives under pytest's temporary root, shared by xdist workers: an
+entry another worker is still writing reads as a miss (JAX warns and compiles), never as a wrong program.
+"""
+
+import os
+
+import jax
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()  # per worker under xdist: .../pytest-N/popen-gwK
+    cache = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "jax-compilation-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    settings = {"jax_compilation_cache_dir": str(cache), "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)  # subprocesses (train.py, eval.py) read the same cache
+    return cache
