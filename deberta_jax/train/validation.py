@@ -9,6 +9,7 @@ derived values (trained length, tokenizer vocabulary) in the config that is save
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -146,8 +147,6 @@ def differences(old: config_dict.ConfigDict, new: config_dict.ConfigDict) -> dic
 
 def load_config_file(spec: str):
     """`get_config(arg)` of a `path/to/config.py[:arg]` spec, as ml_collections' config flags load it."""
-    import importlib.util
-
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_config_for_error", path)
     module = importlib.util.module_from_spec(module_spec)
