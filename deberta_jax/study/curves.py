@@ -23,7 +23,7 @@ from absl import app, flags
 
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study
-from deberta_jax.train import checkpoint, metrics_io
+from deberta_jax.train import checkpoint, metrics_io, validation
 
 DEFAULT_MARGIN = 0.1
 
@@ -54,13 +54,7 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
             "train.num_steps", "train.learning_rate", "train.warmup_steps", "train.schedule")
     def values(workdir):
         config = checkpoint.read_config(workdir)
-        out = {}
-        for key in keys:
-            node = config
-            for part in key.split("."):
-                node = node[part]
-            out[key] = node
-        return out
+        return {key: validation.get_field(config, key) for key in keys}
     first_label, first = next(iter(workdirs.items()))
     reference = values(first)
     for label, workdir in workdirs.items():

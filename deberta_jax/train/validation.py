@@ -31,19 +31,20 @@ def _is_int(value) -> bool:
 
 
 def _require_int(config, field: str, minimum: int) -> None:
-    value = _get(config, field)
+    value = get_field(config, field)
     _require(_is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}")
 
 
 def _require_number(config, field: str, low: float, high: float, *, low_open=False, high_open=True) -> None:
-    value = _get(config, field)
+    value = get_field(config, field)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     _require(ok, field, value, f"must be a number in {interval}")
 
 
-def _get(config, field: str):
+def get_field(config, field: str):
+    """The value at a dotted path such as "train.batch_size"."""
     section, _, name = field.rpartition(".")
     node = config
     for part in filter(None, section.split(".")):
