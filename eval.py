@@ -11,6 +11,9 @@ combinations a policy refuses are listed under "Not evaluated" rather than given
 
 Writes to --out: results.json and results.csv (long format), summary.md (also printed), and PNG plots.
 Runs whose configs differ only in seed share a label; their mean and 95% interval are reported.
+
+Several processes (--multiprocess, or JAX_COORDINATOR_ADDRESS set as for train.py) split the windows
+between them and add their sums, so the records are those of a single process; process 0 writes them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import jax
 from absl import app, flags
 
 from deberta_jax.data import packing
@@ -25,6 +29,7 @@ from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
 from deberta_jax.study import length_study, report
+from deberta_jax.train import sharding
 
 FLAGS = flags.FLAGS
 _DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
@@ -60,6 +65,7 @@ flags.DEFINE_integer("attention_block_size", None,
 flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.DEFINE_bool("oracle", True, "Also score the Bayes-optimal oracle of every synthetic dataset (with the first "
                   "model's tokenizer and training length).")
+flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() and split the scoring over the processes.")
 flags.mark_flag_as_required("out")
 
 
@@ -97,6 +103,8 @@ def _ints(flag: str) -> tuple[int, ...]:
 
 def main(argv):
     del argv
+    sharding.initialize_distributed(FLAGS.multiprocess)
+    is_main = jax.process_index() == 0
     if not FLAGS.workdir and not FLAGS.hf_checkpoint:
         raise app.UsageError("give at least one --workdir or --hf_checkpoint")
     if not FLAGS.data_files:
@@ -113,7 +121,8 @@ def main(argv):
         if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:
             raise app.UsageError(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
                                  f"{packing.MAX_SEQ_LEN}] tokens, [CLS] and [SEP] included")
-    check_writable(FLAGS.out)
+    if is_main:
+        check_writable(FLAGS.out)
     specs = {dataset_name(spec): spec for spec in FLAGS.data_files}
     datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
@@ -127,6 +136,8 @@ def main(argv):
     models += references
     records, skipped = length_study.run_study(models, datasets, settings)
     note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
+    if not is_main:
+        return
     _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=[note] if note else [])
     print(summary)
     print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging as pylogging
-import os
 import time
 from pathlib import Path
 
@@ -292,9 +291,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_logger().addFilter(quiet_orbax)
-    if FLAGS.multiprocess or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        env_int = lambda name: int(os.environ[name]) if name in os.environ else None  # noqa: E731
-        jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))
+    sharding.initialize_distributed(FLAGS.multiprocess)
     train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
 
 

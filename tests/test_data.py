@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from deberta_jax.data import packing
-from deberta_jax.data.masking import mask_tokens, masking_rng
+from deberta_jax.data.masking import mask_tokens, masking_rngs
 from deberta_jax.data.packing import PackedData, batch_indices, get_batch, load_or_pack, pack_documents, process_share
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds, load_tokenizer, save_tokenizer, train_tokenizer
@@ -131,7 +131,8 @@ def test_bad_seq_len(tokenizer, seq_len):
 
 def test_whole_word_masking_on_packed_rows(packed):
     batch = mask_tokens(
-        packed.input_ids, packed.attention_mask, SPECIAL, 2000, masking_rng(0, 0, 0), word_start=packed.word_start
+        packed.input_ids, packed.attention_mask, SPECIAL, 2000, masking_rngs(0, 0, range(packed.num_rows)),
+        word_start=packed.word_start,
     )
     selected = batch.weights > 0
     # A selected continuation piece implies its predecessor (same word) is selected too,

@@ -9,11 +9,16 @@ chance, yet catch any real bias (e.g. 0.8 vs 0.85, or 0.10 vs 0.12).
 import numpy as np
 import pytest
 
-from deberta_jax.data.masking import MaskedBatch, mask_tokens, masking_rng
+from deberta_jax.data.masking import MaskedBatch, mask_tokens, masking_rngs
 from deberta_jax.data.tokenizer import SpecialIds
 
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
 VOCAB = 1000
+
+
+def rngs(ids, seed=0, step=0):
+    """One generator per row of `ids`, as training draws them."""
+    return masking_rngs(seed, step, range(len(ids)))
 
 
 def make_batch(rows=400, seq_len=512, seed=0):
@@ -32,7 +37,7 @@ def make_batch(rows=400, seq_len=512, seed=0):
 @pytest.fixture(scope="module")
 def batch():
     ids, mask = make_batch()
-    return ids, mask, mask_tokens(ids, mask, SPECIAL, VOCAB, masking_rng(seed=0, step=0, process_index=0))
+    return ids, mask, mask_tokens(ids, mask, SPECIAL, VOCAB, rngs(ids))
 
 
 def test_types_and_labels(batch):
@@ -80,7 +85,7 @@ def test_random_replacements_avoid_specials_anywhere_in_vocab():
     # Specials scattered through the vocabulary, not just 0..4.
     special = SpecialIds(pad=7, unk=3, cls=11, sep=0, mask=19)
     ids = np.full((200, 100), 5, dtype=np.int32)
-    out = mask_tokens(ids, np.ones_like(ids), special, 20, np.random.default_rng(0), replace_prob=0.0, random_prob=1.0)
+    out = mask_tokens(ids, np.ones_like(ids), special, 20, rngs(ids), replace_prob=0.0, random_prob=1.0)
     drawn = out.input_ids[out.weights > 0]
     assert drawn.size > 2000 and not np.isin(drawn, special.all).any()
     assert set(np.unique(drawn)) == set(range(20)) - set(special.all)
@@ -89,21 +94,33 @@ def test_random_replacements_avoid_specials_anywhere_in_vocab():
 def test_input_is_not_modified():
     ids, mask = make_batch(rows=4)
     before = ids.copy()
-    mask_tokens(ids, mask, SPECIAL, VOCAB, np.random.default_rng(0))
+    mask_tokens(ids, mask, SPECIAL, VOCAB, rngs(ids))
     np.testing.assert_array_equal(ids, before)
 
 
-def test_same_seed_same_masks_other_step_or_process_differs():
+def test_masks_are_a_function_of_seed_step_and_global_row():
     ids, mask = make_batch(rows=8)
 
-    def run(seed, step, process):
-        return mask_tokens(ids, mask, SPECIAL, VOCAB, masking_rng(seed, step, process))
+    def run(seed, step, rows=range(8)):
+        return mask_tokens(ids, mask, SPECIAL, VOCAB, masking_rngs(seed, step, rows))
 
-    a, b = run(0, 5, 0), run(0, 5, 0)
+    a, b = run(0, 5), run(0, 5)
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     np.testing.assert_array_equal(a.weights, b.weights)
-    for other in (run(0, 6, 0), run(0, 5, 1), run(1, 5, 0)):
+    for other in (run(0, 6), run(1, 5), run(0, 5, rows=range(8, 16))):
         assert (other.weights != a.weights).any()
+    # A row's masks do not depend on the rows batched with it: masking the two halves of the batch
+    # separately (two processes) gives the masks of the whole batch (one process).
+    halves = [mask_tokens(ids[rows], mask[rows], SPECIAL, VOCAB, masking_rngs(0, 5, range(8)[rows]))
+              for rows in (slice(0, 4), slice(4, 8))]
+    for field in ("input_ids", "weights"):
+        np.testing.assert_array_equal(np.concatenate([getattr(h, field) for h in halves]), getattr(a, field))
+
+
+def test_one_generator_per_row_is_required():
+    ids, mask = make_batch(rows=4)
+    with pytest.raises(ValueError, match="got 3 generators for 4 rows"):
+        mask_tokens(ids, mask, SPECIAL, VOCAB, masking_rngs(0, 0, range(3)))
 
 
 def make_words(rows=400, seq_len=512, seed=0):
@@ -117,7 +134,7 @@ def make_words(rows=400, seq_len=512, seed=0):
 
 def test_whole_word_masking_selects_words_together():
     ids, mask, word_start = make_words()
-    out = mask_tokens(ids, mask, SPECIAL, VOCAB, masking_rng(0, 0, 0), word_start=word_start)
+    out = mask_tokens(ids, mask, SPECIAL, VOCAB, rngs(ids), word_start=word_start)
     selected = out.weights > 0
     candidates = mask.astype(bool) & (ids >= 5)
     # Inside a run of candidates, a continuation piece shares its predecessor's fate.
@@ -134,7 +151,7 @@ def test_whole_words_do_not_cross_special_tokens():
     # "a ##b [SEP] ##c": ##c follows a special token, so it is a word of its own.
     ids = np.tile(np.array([[SPECIAL.cls, 10, 11, SPECIAL.sep, 12, SPECIAL.sep]], dtype=np.int32), (20000, 1))
     word_start = np.tile(np.array([[True, True, False, True, False, True]]), (20000, 1))
-    out = mask_tokens(ids, np.ones_like(ids), SPECIAL, VOCAB, np.random.default_rng(0), word_start=word_start)
+    out = mask_tokens(ids, np.ones_like(ids), SPECIAL, VOCAB, rngs(ids), word_start=word_start)
     selected = out.weights > 0
     np.testing.assert_array_equal(selected[:, 1], selected[:, 2])
     assert (selected[:, 2] != selected[:, 4]).any()
@@ -151,15 +168,15 @@ def test_whole_words_do_not_cross_special_tokens():
 def test_bad_probabilities(kwargs, message):
     ids, mask = make_batch(rows=2)
     with pytest.raises(ValueError, match=message):
-        mask_tokens(ids, mask, SPECIAL, VOCAB, np.random.default_rng(0), **kwargs)
+        mask_tokens(ids, mask, SPECIAL, VOCAB, rngs(ids), **kwargs)
 
 
 def test_bad_shapes_and_vocab():
     ids, mask = make_batch(rows=2)
-    rng = np.random.default_rng(0)
+    generators = rngs(ids)
     with pytest.raises(ValueError, match="same shape"):
-        mask_tokens(ids, mask[:, :-1], SPECIAL, VOCAB, rng)
+        mask_tokens(ids, mask[:, :-1], SPECIAL, VOCAB, generators)
     with pytest.raises(ValueError, match="word_start has shape"):
-        mask_tokens(ids, mask, SPECIAL, VOCAB, rng, word_start=np.ones(3, dtype=bool))
+        mask_tokens(ids, mask, SPECIAL, VOCAB, generators, word_start=np.ones(3, dtype=bool))
     with pytest.raises(ValueError, match="vocab_size=100 but the batch holds token id"):
-        mask_tokens(ids, mask, SPECIAL, 100, rng)
+        mask_tokens(ids, mask, SPECIAL, 100, generators)

@@ -1,7 +1,9 @@
 """Host-side masked-LM batches: the training batch of a step, and the fixed evaluation batches.
 
-Training batches are a pure function of (seed, step, process): rows from `packing.get_batch`, masks
-from `masking.masking_rng(seed, step, process_index)`. Nothing needs checkpointing besides the step.
+Training batches are a pure function of (seed, step): rows from `packing.get_batch`, and each row's
+masks from `masking.masking_rngs(seed, step, global row)`. Every process builds its own share of the
+global batch, and a row comes out the same whichever process builds it, so 1 process and N processes
+(1 device or many) train on identical batches. Nothing needs checkpointing besides the step.
 
 Evaluation scores fixed targets drawn once per position of the evaluation text (`EVAL_MASK_SEED`,
 independent of the training seed, step, batch size and process count), so eval loss is comparable
@@ -15,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from deberta_jax.data import packing, targets
-from deberta_jax.data.masking import mask_tokens, masking_rng
+from deberta_jax.data.masking import mask_tokens, masking_rngs
 from deberta_jax.data.tokenizer import SpecialIds
 
 EVAL_MASK_SEED = 0
@@ -31,9 +33,9 @@ class Masker:
     mask_prob: float
     whole_word_masking: bool
 
-    def __call__(self, rows: packing.PackedData, rng: np.random.Generator) -> Batch:
+    def __call__(self, rows: packing.PackedData, rngs: list[np.random.Generator]) -> Batch:
         masked = mask_tokens(
-            rows.input_ids, rows.attention_mask, self.special, self.vocab_size, rng,
+            rows.input_ids, rows.attention_mask, self.special, self.vocab_size, rngs,
             mask_prob=self.mask_prob, word_start=rows.word_start if self.whole_word_masking else None,
         )
         return dict(input_ids=masked.input_ids, attention_mask=rows.attention_mask.astype(np.int32),
@@ -42,9 +44,11 @@ class Masker:
 
 def train_batch(packed: packing.PackedData, masker: Masker, *, batch_size: int, step: int, seed: int,
                 process_index: int, process_count: int) -> Batch:
-    """This process's share of global training batch `step`, masked."""
+    """This process's share of global training batch `step`, masked: its rows are the same, and masked
+    the same, as those rows of the batch a single process builds."""
     rows = packing.get_batch(packed, batch_size, step, seed, process_index, process_count)
-    return masker(rows, masking_rng(seed, step, process_index))
+    global_rows = packing.process_share(np.arange(batch_size), process_index, process_count)
+    return masker(rows, masking_rngs(seed, step, global_rows))
 
 
 def eval_batches(packed: packing.PackedData, special: SpecialIds, *, batch_size: int, max_batches: int | None,

@@ -8,6 +8,7 @@ and the loss must be normalized by `weights.sum()`, not by a fixed count.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -23,14 +24,15 @@ class MaskedBatch:
     weights: np.ndarray  # float32, 1.0 at selected positions, else 0.0
 
 
-def masking_rng(seed: int, step: int, process_index: int) -> np.random.Generator:
-    """Generator for the masks of one step on one process.
+def masking_rngs(seed: int, step: int, rows: Iterable[int]) -> list[np.random.Generator]:
+    """One generator per row of a step, for the rows at positions `rows` of the global batch.
 
-    Seeding from (seed, step, process_index) rather than carrying one generator along makes the
-    masks a pure function of the step: a run resumed from a checkpoint at step s masks exactly
-    as an uninterrupted run would, and processes never share masks.
+    Seeding from (seed, step, global row) rather than carrying one generator along makes the masks a
+    pure function of the step (a run resumed at step s masks exactly as an uninterrupted run would) and
+    of nothing else: a row is masked alike whichever process, device or topology feeds it, so one
+    process and N processes train on the same batches.
     """
-    return np.random.default_rng([seed, step, process_index])
+    return [np.random.default_rng([seed, step, int(row)]) for row in rows]
 
 
 def _check_probabilities(mask_prob: float, replace_prob: float, random_prob: float) -> None:
@@ -44,15 +46,15 @@ def _check_probabilities(mask_prob: float, replace_prob: float, random_prob: flo
         )
 
 
-def _word_ids(word_start: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-    """Numbers the words of a batch; pieces of one word share a number.
+def _word_starts(word_start: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Where the words of a batch begin; pieces of one word share one start.
 
     A new word begins at every word start, at every non-candidate (so a word never reaches across
     [SEP], [CLS] or padding) and at the start of every row (a word cut by packing is two words).
     """
     starts = word_start | ~candidates
     starts[:, 0] = True
-    return np.cumsum(starts.ravel()).reshape(starts.shape) - 1
+    return starts
 
 
 def mask_tokens(
@@ -60,7 +62,7 @@ def mask_tokens(
     attention_mask: np.ndarray,
     special: SpecialIds,
     vocab_size: int,
-    rng: np.random.Generator,
+    rngs: Sequence[np.random.Generator],
     mask_prob: float = 0.15,
     replace_prob: float = 0.8,
     random_prob: float = 0.1,
@@ -73,7 +75,8 @@ def mask_tokens(
     original), and stays unchanged otherwise. All five special tokens, [UNK] included, are never
     selected. With `word_start` (whole-word masking) each word is selected with probability
     `mask_prob` and all its pieces together; the 80/10/10 choice is still made per piece, as in
-    BERT's whole-word masking.
+    BERT's whole-word masking. `rngs` holds one generator per row (`masking_rngs`), and every draw
+    for a row comes from its own generator, so a row's masks do not depend on the rows batched with it.
     """
     _check_probabilities(mask_prob, replace_prob, random_prob)
     input_ids = np.asarray(input_ids)
@@ -82,28 +85,36 @@ def mask_tokens(
             f"input_ids must be [batch, seq_len] with attention_mask of the same shape; "
             f"got {input_ids.shape} and {np.shape(attention_mask)}"
         )
+    if len(rngs) != input_ids.shape[0]:
+        raise ValueError(f"got {len(rngs)} generators for {input_ids.shape[0]} rows; pass one per row (masking_rngs)")
     if word_start is not None and np.shape(word_start) != input_ids.shape:
         raise ValueError(f"word_start has shape {np.shape(word_start)}, expected {input_ids.shape}")
     special_ids = np.array(special.all)
     if input_ids.max() >= vocab_size:
         raise ValueError(f"vocab_size={vocab_size} but the batch holds token id {input_ids.max()}")
-    ordinary_ids = np.setdiff1d(np.arange(vocab_size), special_ids)
+    ordinary = np.ones(vocab_size, dtype=bool)
+    ordinary[special_ids[special_ids < vocab_size]] = False
+    ordinary_ids = np.flatnonzero(ordinary)
     if not ordinary_ids.size:
         raise ValueError(f"vocab_size={vocab_size} has no non-special tokens to draw random replacements from")
 
+    # One draw per row and position for each of: selection, the 80/10/10 choice, the replacement id.
+    select_draw, action, replace_draw = np.stack([g.random((3, input_ids.shape[1])) for g in rngs], axis=1)
+    replacement = ordinary_ids[(replace_draw * ordinary_ids.size).astype(np.int64)]
+
     candidates = np.asarray(attention_mask).astype(bool) & ~np.isin(input_ids, special_ids)
     if word_start is None:
-        selected = candidates & (rng.random(input_ids.shape) < mask_prob)
-    else:
-        words = _word_ids(np.asarray(word_start, dtype=bool), candidates)
-        selected = candidates & (rng.random(words[-1, -1] + 1) < mask_prob)[words]
+        selected = candidates & (select_draw < mask_prob)
+    else:  # a word is selected by the draw at its first piece
+        starts = _word_starts(np.asarray(word_start, dtype=bool), candidates)
+        words = np.cumsum(starts.ravel()).reshape(starts.shape) - 1
+        selected = candidates & (select_draw[starts] < mask_prob)[words]
 
-    action = rng.random(input_ids.shape)
     to_mask = selected & (action < replace_prob)
     to_random = selected & (action >= replace_prob) & (action < replace_prob + random_prob)
     corrupted = input_ids.astype(np.int32)  # a copy: the caller's batch stays intact
     corrupted[to_mask] = special.mask
-    corrupted[to_random] = ordinary_ids[rng.integers(ordinary_ids.size, size=int(to_random.sum()))]
+    corrupted[to_random] = replacement[to_random]
     return MaskedBatch(
         input_ids=corrupted,
         labels=input_ids.astype(np.int32),

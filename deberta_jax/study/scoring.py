@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from deberta_jax.data.targets import EVAL_MASK_PROB, EvalCorpus, Windows
 from deberta_jax.train import steps
+from deberta_jax.train.sharding import sum_across_processes
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
@@ -75,6 +76,14 @@ class Sums:
         z = lambda n: np.zeros(n, np.float64)  # noqa: E731
         return cls(z(num_docs), z(num_docs), z(num_docs), z(nb), z(nb), z(nb), bucket_width)
 
+    def across_processes(self) -> "Sums":
+        """These sums added over every process (themselves in a single-process run)."""
+        fields = ("loss_doc", "correct_doc", "count_doc", "loss_bucket", "correct_bucket", "count_bucket")
+        arrays = [getattr(self, name) for name in fields]
+        total = sum_across_processes(np.concatenate(arrays))
+        parts = np.split(total, np.cumsum([len(a) for a in arrays])[:-1])
+        return Sums(*parts, bucket_width=self.bucket_width)
+
     @property
     def loss(self) -> float:
         return float(self.loss_doc.sum() / max(self.count_doc.sum(), 1))
@@ -90,10 +99,15 @@ class Sums:
 
 def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_size: int, bucket_width: int,
                   desc: str = "") -> Sums:
-    """Score all windows in fixed-size batches (the last one padded) and accumulate sums."""
+    """Score all windows in fixed-size batches (the last one padded) and accumulate sums.
+
+    In a multi-process run each process scores a contiguous share of the batches and the sums are added
+    across processes, so every process returns the sums a single process computes (to float64 rounding).
+    """
     n, seq_len = windows.input_ids.shape
     sums = Sums.zeros(corpus.num_docs, seq_len, bucket_width)
-    for start in tqdm(range(0, n, batch_size), desc=desc, leave=False, disable=None):
+    share = np.array_split(np.arange(0, n, batch_size), jax.process_count())[jax.process_index()]
+    for start in tqdm(share, desc=desc, leave=False, disable=None if jax.process_index() == 0 else True):
         rows = slice(start, min(start + batch_size, n))
         ids, mask, labels = (_pad_rows(a[rows], batch_size) for a in
                              (windows.input_ids, windows.attention_mask, windows.labels))
@@ -112,6 +126,7 @@ def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_si
         np.add.at(sums.loss_bucket, buckets, nll)
         np.add.at(sums.correct_bucket, buckets, correct)
         np.add.at(sums.count_bucket, buckets, 1)
+    sums = sums.across_processes()
     if not np.isfinite(sums.loss_doc).all():
         raise FloatingPointError(f"non-finite loss while scoring {desc or 'windows'}")
     return sums

@@ -14,12 +14,27 @@ on a GPU and on a multi-host TPU pod: each process feeds only its own rows and
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+
+
+def initialize_distributed(requested: bool) -> None:
+    """Joins a multi-process run when asked to (`requested`, the entry points' --multiprocess) or when
+    JAX_COORDINATOR_ADDRESS is set; a no-op otherwise.
+
+    `jax.distributed.initialize()` detects TPU pods, SLURM, Open MPI and Kubernetes by itself; a manual
+    launch sets JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
+    """
+    if not (requested or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        return
+    env_int = lambda name: int(os.environ[name]) if name in os.environ else None  # noqa: E731
+    jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))
 
 
 def make_mesh(fsdp: int = 1) -> Mesh:
@@ -69,6 +84,22 @@ def global_batch(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -> 
         global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
     return {name: place(x) for name, x in local_rows.items()}
+
+
+def sum_across_processes(x: np.ndarray) -> np.ndarray:
+    """The sum over processes of each process's `x` (same shape everywhere), added in process order so
+    every process gets the same bits; `x` itself in a single-process run.
+
+    float64 arrays travel as their raw bits, since collectives without jax_enable_x64 would round them
+    to float32.
+    """
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+    x = np.ascontiguousarray(x)
+    words = multihost_utils.process_allgather(x.view(np.uint32) if x.dtype.itemsize == 8 else x)
+    gathered = np.asarray(words).view(x.dtype).reshape(jax.process_count(), *x.shape)
+    return np.sum(gathered, axis=0, dtype=x.dtype)
 
 
 def sync_processes(tag: str) -> None:

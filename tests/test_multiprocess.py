@@ -1,0 +1,151 @@
+"""Multi-process runs with real processes: two `train.py` / `eval.py` processes joined by `jax.distributed` on the
+CPU (collectives over gloo), against the same run in one process.
+
+What must hold across topologies: the same config gives the same run on 1 process or 2 (row order, masks and
+dropout are functions of (seed, step, global row)); a checkpoint saved by 2 processes resumes on 1 and one
+saved by 1 resumes on 2, with or without FSDP; only process 0 writes metrics; both processes preparing one
+data cache at once leave one intact cache; `eval.py` over 2 processes gives the single-process records.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import train
+from configs import deberta
+from deberta_jax.train import checkpoint, metrics_io
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8
+TRAIN = "synthetic:markov:train:docs=40,doc_len=256"
+VALID = "synthetic:markov:validation:docs=4,doc_len=256"
+# Float reduction order differs between 1 and 2 processes (and with FSDP); everything else must not.
+ATOL = 1e-5
+
+
+def overrides(cache_dir, **fields) -> dict:
+    """The micro preset (dropout on) with 8 steps and evaluations at steps 4 and 8; `fields` are flattened keys."""
+    values = {"data.train_files": TRAIN, "data.eval_files": VALID, "data.cache_dir": str(cache_dir),
+              "train.num_steps": STEPS, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
+              "train.checkpoint_every": 4}
+    values.update(fields)
+    return values
+
+
+def micro_config(cache_dir, **fields):
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict(overrides(cache_dir, **fields))
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, args: list[str], log_dir, num_processes: int = 2) -> list[str]:
+    """Runs `script` as `num_processes` processes of one `jax.distributed` job (a plain process for 1);
+    returns their logs.
+
+    Logs go to files, not pipes: a process blocked on a full pipe would stall the other at the next barrier.
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    if num_processes > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(num_processes))
+    logs = [log_dir / f"{os.path.basename(script)}-{num_processes}-{i}.log" for i in range(num_processes)]
+    processes = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            processes.append(subprocess.Popen([sys.executable, script, *args], cwd=REPO, stdout=f, stderr=f,
+                                              env=dict(env, JAX_PROCESS_ID=str(i))))
+    try:
+        codes = [p.wait(timeout=300) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0] * num_processes, "\n\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+def train_flags(workdir, cache_dir, **fields) -> list[str]:
+    return (["--config", "configs/deberta.py:micro", "--workdir", str(workdir)]
+            + [f"--config.{k}={v}" for k, v in overrides(cache_dir, **fields).items()])
+
+
+def logged(workdir) -> dict[int, dict]:
+    """Every logged value but the wall-clock rate, by step."""
+    return {r["step"]: {k: v for k, v in r.items() if k != "tokens_per_s"} for r in metrics_io.read_metrics(workdir)}
+
+
+def assert_same_run(workdir, reference):
+    """Same steps logged once each, same metrics and final parameters to float-reduction tolerance."""
+    lines = (workdir / metrics_io.METRICS_FILE).read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == list(range(1, STEPS + 1)), steps  # a second writer would log every step twice
+    got, want = logged(workdir), logged(reference)
+    for step in want:
+        assert got[step].keys() == want[step].keys()
+        for name in want[step]:
+            np.testing.assert_allclose(got[step][name], want[step][name], atol=ATOL, err_msg=f"step {step} {name}")
+    params = lambda w: nnx.to_pure_dict(nnx.state(checkpoint.load_workdir(w)[1]))  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=ATOL), params(workdir), params(reference))
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """The reference: the whole run in this (single) process."""
+    root = tmp_path_factory.mktemp("single")
+    train.train_and_evaluate(micro_config(root / "cache"), root / "run")
+    return root / "run"
+
+
+def test_two_process_run_equals_one_and_resumes_on_one_process(single_process_run, tmp_path):
+    """Steps 1-4 on two processes (data parallel, a fresh shared data cache), 5-8 resumed on one."""
+    cache, workdir = tmp_path / "cache", tmp_path / "run"
+    logs = launch("train.py", train_flags(workdir, cache) + ["--stop_at_step=4"],
+                  tmp_path)
+    assert "2 devices over 2 processes" in logs[0]
+    # Both processes prepared the train and eval caches at once: one entry each, no temporary leftovers.
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) == 2 and not any("tmp" in name for name in entries), entries
+    assert checkpoint.checkpoint_manager(workdir, read_only=True).latest_step() == 4
+    train.train_and_evaluate(micro_config(cache), workdir)
+    assert_same_run(workdir, single_process_run)
+
+
+def test_one_process_checkpoint_resumes_on_two_processes_with_fsdp(single_process_run, tmp_path):
+    """Steps 1-4 on one process (parameters replicated), 5-8 on two with parameters split over them."""
+    cache, workdir = tmp_path / "cache", tmp_path / "run"
+    train.train_and_evaluate(micro_config(cache), workdir, stop_at_step=4)
+    logs = launch("train.py", train_flags(workdir, cache, **{"mesh.fsdp": 2}), tmp_path)
+    assert "resuming from the checkpoint at step 4" in logs[0] and "resuming from the checkpoint at step 4" in logs[1]
+    assert_same_run(workdir, single_process_run)
+
+
+def test_length_evaluation_on_two_processes_equals_one(single_process_run, tmp_path):
+    """Small batches, so each process scores several of them; every record must match."""
+    args = ["--workdir", str(single_process_run), "--data_files", VALID, "--multiples", "1,2", "--extra=",
+            "--tokens_per_batch", "256", "--bootstrap", "100"]
+    launch("eval.py", args + ["--out", str(tmp_path / "two")], tmp_path)
+    launch("eval.py", args + ["--out", str(tmp_path / "one")], tmp_path, num_processes=1)
+    one, two = (json.loads((tmp_path / name / "results.json").read_text())["records"] for name in ("one", "two"))
+    assert len(one) == len(two) > 0
+    for a, b in zip(one, two):
+        assert {k: v for k, v in a.items() if k not in ("value", "ci_low", "ci_high")} == \
+               {k: v for k, v in b.items() if k not in ("value", "ci_low", "ci_high")}
+        for key in ("value", "ci_low", "ci_high"):
+            assert (a[key] is None) == (b[key] is None)
+            if a[key] is not None:
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-12, err_msg=str(a))
