@@ -58,17 +58,29 @@ class NonFiniteError(FloatingPointError):
 
 def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
     """The workdir's own tokenizer when resuming, else config.data.tokenizer, else the symbol tokenizer of
-    synthetic train_files, else one trained on train_files."""
+    synthetic train_files, else one trained on train_files.
+
+    With several processes, process 0 trains the tokenizer and the others read it from the workdir: every
+    process must map text to the same ids, and that should not rest on the trainer being deterministic.
+    """
     own = workdir / checkpoint.TOKENIZER_FILE
-    if own.is_file():
+    resuming = own.is_file()
+    sharding.sync_processes("tokenizer looked up")  # no process may see the file process 0 is about to write
+    if resuming:
         return tokenizer_lib.load_tokenizer(own)
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
     if synthetic.is_synthetic_spec(config.data.train_files):
         logging.info("using the symbol tokenizer of %s (config.model.vocab_size is not used)", config.data.train_files)
         return synthetic.tokenizer(config.data.train_files)
-    logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
-    return tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
+    if jax.process_index() == 0:
+        logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
+        tokenizer = tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
+        if jax.process_count() == 1:
+            return tokenizer
+        tokenizer_lib.save_tokenizer(tokenizer, own)
+    sharding.sync_processes("tokenizer trained")
+    return tokenizer_lib.load_tokenizer(own)
 
 
 def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
