@@ -5,6 +5,7 @@ import math
 
 import jax
 import numpy as np
+import pandas as pd
 import pytest
 from flax import nnx
 
@@ -132,7 +133,7 @@ def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
     settings = length_study.StudySettings(multiples=(1, 2), extra=(16,), num_targets=8, bootstrap=50)
     records, skipped = length_study.run_study(models, {"brown/valid": docs}, settings)
     means = report.aggregate_seeds(records)
-    report.write_results(records + means, skipped, str(tmp_path))
+    report.write_results(pd.concat([report.records_frame(records), means]), skipped, str(tmp_path))
     data = json.loads((tmp_path / "results.json").read_text())
     loaded = data["records"]
     assert {r["protocol"] for r in loaded} == {"chunked", "fixed_target"}
@@ -211,8 +212,8 @@ def test_oracle_scores_only_its_synthetic_dataset_and_gap_closed_is_the_share_of
     assert {d for m, d, _ in loss if m == "oracle"} == {"markov"}  # the oracle knows one chain
     for n in (16, 32):
         assert loss["oracle", "markov", n] < loss["unigram", "markov", n] - 1.0
-    gaps = {r["eval_len"]: r["value"] for r in report.add_gap_closed(records)
-            if r["metric"] == "gap_closed" and r["model"] == "deberta"}
+    gaps = report.add_gap_closed(records).query("metric == 'gap_closed' and model == 'deberta'")
+    gaps = dict(zip(gaps["eval_len"], gaps["value"]))
     assert set(gaps) == {16, 32}  # only where both references were scored
     u, o, m = (loss[name, "markov", 16] for name in ("unigram", "oracle", "deberta"))
     assert gaps[16] == pytest.approx((u - m) / (u - o))

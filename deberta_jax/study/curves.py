@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import os
 
+import pandas as pd
 from absl import app, flags
 
 from deberta_jax.data.text import load_documents
-from deberta_jax.study import length_study
+from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, metrics_io, validation
 
 DEFAULT_MARGIN = 0.1
@@ -75,27 +76,29 @@ def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = 
     with open(os.path.join(out_dir, "curves.json"), "w") as f:
         json.dump(dict(unigram_floor=floor, margin=margin, exits=exits, workdirs=workdirs,
                        curves={k: {str(s): v for s, v in c.items()} for k, c in curves.items()}), f, indent=1)
-    steps = sorted(set().union(*curves.values()))
-    labels = list(curves)
     config = checkpoint.read_config(first)
     lines = ["# Eval loss by training step", "",
              f"Same batches for every run (seed {config.seed}, {config.train.batch_size} x {config.data.seq_len} tokens "
              f"per step, {config.train.num_steps} steps); eval on `{config.data.eval_files}`. Unigram floor on the same "
              f"targets: **{floor:.3f}** nats. A run leaves the plateau at its first evaluation {margin:g} nats below it.",
-             "", "| run | leaves the plateau at step | final eval loss | below the floor by |", "|---|---|---|---|"]
-    for label in labels:
-        last = curves[label][max(curves[label])]
-        lines.append(f"| {label} | {exits[label] if exits[label] is not None else 'not within the run'} | "
-                     f"{last:.3f} | {floor - last:.3f} |")
-    lines += ["", "| step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for step in steps:
-        lines.append(f"| {step} | " + " | ".join(f"{curves[k][step]:.3f}" if step in curves[k] else "–"
-                                                 for k in labels) + " |")
+             "", curve_tables(curves, floor, exits)]
     markdown = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "curves.md"), "w") as f:
         f.write(markdown)
     _plot(curves, floor, margin, os.path.join(out_dir, "eval_loss_vs_step.png"))
     return markdown
+
+
+def curve_tables(curves: dict[str, dict[int, float]], floor: float, exits: dict[str, int | None]) -> str:
+    """Markdown: each run's plateau exit and final loss, then eval loss by step (a row per step any run logged)."""
+    losses = pd.DataFrame(curves).sort_index()  # steps x runs, NaN where a run did not evaluate
+    final = losses.ffill().iloc[-1]  # each run's last logged loss
+    runs = pd.DataFrame({
+        "run": losses.columns,
+        "leaves the plateau at step": [exits[k] if exits[k] is not None else "not within the run" for k in losses],
+        "final eval loss": [f"{v:.3f}" for v in final], "below the floor by": [f"{floor - v:.3f}" for v in final]})
+    by_step = losses.map(lambda v: "–" if pd.isna(v) else f"{v:.3f}").rename_axis("step").reset_index()
+    return report.markdown_table(runs) + "\n\n" + report.markdown_table(by_step)
 
 
 def _plot(curves: dict[str, dict[int, float]], floor: float, margin: float, path: str) -> None:

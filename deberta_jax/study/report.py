@@ -1,74 +1,137 @@
-"""Turning evaluation records into results files, a Markdown summary and plots.
+"""Evaluation results as pandas DataFrames: the results files, seed means, Markdown tables and plots.
 
-Records are flat dicts in long format (one value per model, seed, policy, protocol, dataset, train
-length, eval length, offset, position bucket and metric), so any table or plot is a filter and a
-group-by. Runs that differ only in seed share a `model` label; `aggregate_seeds` adds records with
-`seed="mean"` holding the mean over seeds and a 95% t-interval (or, for a single seed, that run's
-bootstrap interval over documents).
+Results are in long format, one row per model, seed, policy, protocol, dataset, train length, eval
+length, offset, position bucket and metric, so every table or plot is a filter and a pivot. Runs that
+differ only in seed share a `model` label; `aggregate_seeds` gives rows with `seed="mean"` holding the
+mean over seeds and a 95% Student-t interval (or, for a single seed, that run's bootstrap interval over
+documents). `load_results` reads a written `results.json` back for one's own analysis.
+
+In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset` (chunked rows) or
+`n_seeds` (rows of single runs) is <NA>; in `results.json` and `results.csv` both are empty (null).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import pandas as pd
+from scipy import stats
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
 FIELDS = ("model", "seed", "source", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
           "offset", "bucket", "metric", "value", "ci_low", "ci_high", "n_tokens", "n_seeds")
-# Two-sided 97.5% Student-t quantiles for 1..10 degrees of freedom; normal beyond.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def aggregate_seeds(records: Sequence[dict]) -> list[dict]:
-    """Mean over seeds (and a 95% interval) for every key; one record per key."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[tuple(r.get(k) for k in KEY_FIELDS)].append(r)
-    out = []
-    for rows in groups.values():
-        values = np.array([r["value"] for r in rows], dtype=np.float64)
-        mean = float(values.mean())
-        if len(rows) > 1:
-            half = _T975.get(len(rows) - 1, 1.96) * float(values.std(ddof=1)) / math.sqrt(len(rows))
-            lo, hi = mean - half, mean + half
-        else:
-            lo, hi = rows[0].get("ci_low"), rows[0].get("ci_high")
-        out.append(dict(rows[0], seed="mean", value=mean, ci_low=lo, ci_high=hi,
-                        n_tokens=int(sum(r["n_tokens"] for r in rows)), n_seeds=len(rows),
-                        source=";".join(sorted({str(r["source"]) for r in rows}))))
-    return out
-
-
+# `seed` holds run seeds and labels ("mean", "-" for references); `bucket` is a position or "all".
+_DTYPES = {"seed": object, "train_len": "int64", "eval_len": "int64", "multiple": "float64", "offset": "Int64",
+           "bucket": object, "value": "float64", "ci_low": "float64", "ci_high": "float64", "n_tokens": "int64",
+           "n_seeds": "Int64"}
+CONFIDENCE = 0.95
 REFERENCES = ("unigram", "oracle")
+RESULTS_JSON = "results.json"
 
 
-def add_gap_closed(records: Sequence[dict]) -> list[dict]:
-    """`gap_closed` records: `(unigram loss - loss) / (unigram loss - oracle loss)` on the same targets.
+def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
+    """The records `run_study` returns (a list of dicts) as a frame with every column of `FIELDS` and
+    one dtype per column; a frame is given its dtypes. Record lists are checked by `check_finite` first,
+    since a NaN interval would otherwise read as "no interval"."""
+    if isinstance(records, pd.DataFrame):
+        frame = records
+    else:
+        records = list(records)
+        check_finite(records)
+        frame = pd.DataFrame.from_records(records)
+    # Missing columns go last, so the key order of every row in results.json stays that of the records.
+    frame = frame.reindex(columns=[*frame.columns, *(f for f in FIELDS if f not in frame.columns)])
+    for column, dtype in _DTYPES.items():
+        try:
+            frame[column] = frame[column].astype(dtype)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"results column {column!r} cannot be read as {dtype} ({err}); every record needs "
+                             f"a {column} as run_study writes it") from None
+    return frame
+
+
+def load_results(path: str | os.PathLike) -> pd.DataFrame:
+    """The records of a `results.json` written by `eval.py` or the sweep (the file, or the directory
+    holding it) as a DataFrame: rows of single runs and the `seed == "mean"` rows, one column per field
+    of `FIELDS`. For one's own analysis, e.g. loss against length, mean over seeds:
+
+        from deberta_jax.study.report import load_results
+
+        results = load_results("results/synthetic/markov")
+        loss = results.query("seed == 'mean' and protocol == 'chunked' and bucket == 'all' and metric == 'loss'")
+        print(loss.pivot_table(index=["model", "policy"], columns="multiple", values="value").round(3))
+
+    The combinations that were not evaluated, with the reason, are the file's "skipped" list.
+    """
+    file = os.path.join(path, RESULTS_JSON) if os.path.isdir(path) else os.fspath(path)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: pass a {RESULTS_JSON} written by eval.py or the sweep, "
+                                "or the directory holding it (eval.py's --out)")
+    with open(file) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError(f"{file} is not a results file: it needs a 'records' list, as eval.py and the sweep write")
+    return records_frame(data["records"])
+
+
+def t_half_width(std: np.ndarray, n: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
+    """Half-width of the two-sided Student-t interval for a mean of `n` values with sample std `std`."""
+    n = np.asarray(n, dtype=np.float64)
+    return stats.t.ppf(0.5 + confidence / 2, n - 1) * np.asarray(std) / np.sqrt(n)
+
+
+def aggregate_seeds(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds (and a Student-t interval at `CONFIDENCE`) for every key of `KEY_FIELDS`; one row per
+    key, in the order the keys first appear. Other fields are the first run's; `source` lists every run's."""
+    frame = records_frame(records)
+    groups = frame.groupby(list(KEY_FIELDS), sort=False, dropna=False)
+    n = groups["value"].transform("size").to_numpy()
+    mean = groups["value"].transform("mean").to_numpy()
+    several = n > 1  # a single run keeps its own bootstrap interval
+    half = t_half_width(groups["value"].transform("std"), n)  # NaN for a single run
+    sources = [";".join(sorted(map(str, s))) for s in groups["source"].unique()]
+    merged = frame.assign(
+        seed="mean", value=mean, n_tokens=groups["n_tokens"].transform("sum"), n_seeds=n,
+        source=[sources[i] for i in groups.ngroup()],
+        ci_low=np.where(several, mean - half, frame["ci_low"]),
+        ci_high=np.where(several, mean + half, frame["ci_high"]))
+    return records_frame(merged.drop_duplicates(list(KEY_FIELDS)).reset_index(drop=True))
+
+
+def add_gap_closed(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
+    """`records` and `gap_closed` rows: `(unigram loss - loss) / (unigram loss - oracle loss)` on the same targets.
 
     Where both references were scored (synthetic data), a loss reads as the share of the learnable gap a model
     closed: 0 at the context-free floor, 1 at the Bayes-optimal prediction from the same window.
     """
-    def key(r):  # the same windows and targets (fixed-target spans follow the training length)
-        return r["protocol"], r["dataset"], r["train_len"], r["eval_len"], r["offset"]
-    overall = [r for r in records if r["metric"] == "loss" and r["bucket"] == "all"]
-    refs = {(r["model"], *key(r)): r["value"] for r in overall if r["model"] in REFERENCES}
-    extra = []
-    for r in overall:
-        unigram, oracle = refs.get(("unigram", *key(r))), refs.get(("oracle", *key(r)))
-        if r["model"] not in REFERENCES and unigram is not None and oracle is not None and unigram > oracle:
-            extra.append(dict(r, metric="gap_closed", value=(unigram - r["value"]) / (unigram - oracle),
-                              ci_low=None, ci_high=None))
-    return list(records) + extra
+    frame = records_frame(records)
+    key = ["protocol", "dataset", "train_len", "eval_len", "offset"]  # the same windows and targets
+    overall = frame[(frame["metric"] == "loss") & (frame["bucket"] == "all")]
+    refs = {name: overall.loc[overall["model"] == name, [*key, "value"]].drop_duplicates(key, keep="last")
+            .rename(columns={"value": name}) for name in REFERENCES}
+    models = overall[~overall["model"].isin(REFERENCES)]
+    scored = models.merge(refs["unigram"], on=key).merge(refs["oracle"], on=key)
+    scored = scored[scored["unigram"] > scored["oracle"]]
+    gaps = scored.assign(metric="gap_closed", value=(scored["unigram"] - scored["value"])
+                         / (scored["unigram"] - scored["oracle"]), ci_low=np.nan, ci_high=np.nan)
+    return pd.concat([frame, gaps[frame.columns]], ignore_index=True)
 
 
-def check_finite(records: Iterable[dict]) -> None:
-    """Refuse to write a result containing NaN or inf: a silent NaN is a wrong result."""
+def check_finite(records: Iterable[dict] | pd.DataFrame) -> None:
+    """Refuse to write a result containing NaN or inf: a silent NaN is a wrong result.
+
+    In records a missing interval is None, so any NaN is refused; in a frame NaN is how a missing
+    interval is stored, so there only the value must be a number.
+    """
+    if isinstance(records, pd.DataFrame):
+        bad = ~np.isfinite(records["value"]) | np.isinf(records["ci_low"]) | np.isinf(records["ci_high"])
+        if bad.any():
+            raise FloatingPointError(f"non-finite value or interval in record {records[bad].iloc[0].to_dict()}")
+        return
     for r in records:
         for field in ("value", "ci_low", "ci_high"):
             v = r.get(field)
@@ -76,99 +139,105 @@ def check_finite(records: Iterable[dict]) -> None:
                 raise FloatingPointError(f"non-finite {field} in record {r}")
 
 
-def write_results(records: Sequence[dict], skipped: Sequence[dict], out_dir: str) -> None:
-    """`results.json` (records + skipped combinations with reasons) and `results.csv`."""
-    check_finite(records)
+def _json_rows(frame: pd.DataFrame) -> list[dict]:
+    """Rows as plain Python records, None where a value is missing; rows of single runs carry no `n_seeds`."""
+    rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
+    return [{k: v for k, v in r.items() if k != "n_seeds" or v is not None} for r in rows]
+
+
+def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str) -> None:
+    """`results.json` (records + skipped combinations with reasons) and `results.csv` (the `FIELDS` columns)."""
+    frame = records_frame(records)
+    check_finite(frame)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"records": list(records), "skipped": list(skipped)}, f, indent=1)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
+    with open(os.path.join(out_dir, RESULTS_JSON), "w") as f:
+        json.dump({"records": _json_rows(frame), "skipped": list(skipped)}, f, indent=1)
+    frame.to_csv(os.path.join(out_dir, "results.csv"), columns=list(FIELDS), index=False, lineterminator="\r\n")
 
 
-def write_report(records: Sequence[dict], skipped: Sequence[dict], out_dir: str, notes: Sequence[str] = ()
-                 ) -> tuple[list[dict], str, list[str]]:
+def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
+                 notes: Sequence[str] = ()) -> tuple[pd.DataFrame, str, list[str]]:
     """Per-seed records -> results files, `summary.md` (with `notes` as warnings at its top) and plots in `out_dir`.
 
-    Returns the mean-over-seeds records, the summary's Markdown and the plot paths.
+    Returns the mean-over-seeds rows, the summary's Markdown and the plot paths.
     """
-    records = add_gap_closed(records)
-    means = aggregate_seeds(records)
-    write_results(list(records) + means, skipped, out_dir)
+    frame = add_gap_closed(records)
+    means = aggregate_seeds(frame)
+    write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir)
     summary = markdown_summary(means, skipped, notes)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(summary)
     return means, summary, plot_all(means, out_dir)
 
 
-def _select(records, **where):
-    return [r for r in records if all(r.get(k) == v for k, v in where.items())]
+def markdown_table(frame: pd.DataFrame) -> str:
+    """`frame` as a GitHub Markdown table: its columns as the header, its rows as they are (cells formatted
+    by the caller, written with `str`), the index left out."""
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+    return "\n".join([line(frame.columns), "|" + "---|" * len(frame.columns),
+                      *(line(row) for row in frame.itertuples(index=False))])
 
 
-def _fmt(r: dict | None, digits: int = 3) -> str:
-    if r is None:
-        return "–"
-    if r.get("ci_low") is None:
-        return f"{r['value']:.{digits}f}"
-    return f"{r['value']:.{digits}f} [{r['ci_low']:.{digits}f}, {r['ci_high']:.{digits}f}]"
+def _cells(frame: pd.DataFrame, digits: int | Sequence[int] = 3) -> list[str]:
+    """Each row's value with its interval, `value [low, high]`, or the value alone where there is none."""
+    digits = [digits] * len(frame) if isinstance(digits, int) else digits
+    return [f"{v:.{d}f}" if math.isnan(lo) else f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+            for v, lo, hi, d in zip(frame["value"], frame["ci_low"], frame["ci_high"], digits)]
 
 
-def _length_label(r: dict) -> str:
-    extra = r["eval_len"] - r["train_len"]
-    if r["eval_len"] % r["train_len"] == 0:
-        return f"{r['eval_len'] // r['train_len']}x"
-    return f"L{extra:+d}"
+def _grid(cells: pd.DataFrame, index: list[str], column: str | list[str], columns: Sequence,
+          rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The `cell` column of `cells` laid out with one row per `index` value (sorted, or those of `rows`) and
+    one column per entry of `columns` (values of `column`), "–" where there is none; `index` leads as columns."""
+    keys = [column] if isinstance(column, str) else column
+    wide = cells.drop_duplicates([*index, *keys], keep="last").pivot(index=index, columns=column, values="cell")
+    if rows is not None:
+        wide = wide.reindex(pd.MultiIndex.from_frame(rows[index]) if len(index) > 1 else pd.Index(rows[index[0]]))
+    return wide.reindex(columns=list(columns)).astype(object).fillna("–").reset_index()
 
 
-def markdown_summary(mean_records: Sequence[dict], skipped: Sequence[dict], notes: Sequence[str] = ()) -> str:
+def _length_labels(frame: pd.DataFrame) -> list[str]:
+    """`2x` for a multiple of the training length, `L+16` otherwise."""
+    return [f"{e // t}x" if e % t == 0 else f"L{e - t:+d}" for e, t in zip(frame["eval_len"], frame["train_len"])]
+
+
+def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], notes: Sequence[str] = ()) -> str:
     """Chunked-protocol tables (loss, accuracy by eval length) and fixed-target tables (loss by offset)."""
+    means = records_frame(means)
     lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
              "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
              "none with fewer than two documents).",
              "Lengths are multiples of each model's training length L, or L plus a few tokens.", ""]
-    overall = [r for r in mean_records if r["bucket"] == "all"]
-    for dataset in sorted({r["dataset"] for r in overall}):
-        rows = _select(overall, dataset=dataset, protocol="chunked")
-        if rows:
-            by_ratio = sorted({(r["eval_len"] / r["train_len"], _length_label(r)) for r in rows})
-            labels = list(dict.fromkeys(label for _, label in by_ratio))
+    overall = means[means["bucket"] == "all"]
+    for dataset in sorted(overall["dataset"].unique()):
+        of_dataset = overall[overall["dataset"] == dataset]
+        chunked = of_dataset[of_dataset["protocol"] == "chunked"]
+        if len(chunked):
+            cells = chunked.assign(label=_length_labels(chunked), ratio=chunked["eval_len"] / chunked["train_len"],
+                                   cell=_cells(chunked))
+            labels = cells[["ratio", "label"]].drop_duplicates().sort_values(["ratio", "label"])["label"].unique()
+            index = ["model", "policy", "train_len"]
+            rows = chunked[index].drop_duplicates().sort_values(index)
             for metric in ("loss", "accuracy"):
+                table = _grid(cells[cells["metric"] == metric], index, "label", labels, rows)
                 lines += [f"## {dataset}: chunked, masked-token {metric}", "",
-                          "| model | policy | L | " + " | ".join(labels) + " |",
-                          "|---|---|---|" + "---|" * len(labels)]
-                for model, policy in sorted({(r["model"], r["policy"]) for r in rows}):
-                    sel = _select(rows, model=model, policy=policy, metric=metric)
-                    by_label = {_length_label(r): r for r in sel}
-                    train_len = sel[0]["train_len"] if sel else "?"
-                    lines.append(f"| {model} | {policy} | {train_len} | "
-                                 + " | ".join(_fmt(by_label.get(lab)) for lab in labels) + " |")
-                lines.append("")
-        rows = _select(overall, dataset=dataset, protocol="fixed_target", metric="loss")
-        if rows:
-            offsets = sorted({r["offset"] for r in rows})
-            lines += [f"## {dataset}: fixed-target loss by offset of the target span", "",
-                      "| model | policy | eval length | " + " | ".join(f"offset {o}" for o in offsets) + " |",
-                      "|---|---|---|" + "---|" * len(offsets)]
-            for model, policy, eval_len in sorted({(r["model"], r["policy"], r["eval_len"]) for r in rows}):
-                sel = {r["offset"]: r for r in _select(rows, model=model, policy=policy, eval_len=eval_len)}
-                lines.append(f"| {model} | {policy} | {eval_len} | "
-                             + " | ".join(_fmt(sel.get(o)) for o in offsets) + " |")
-            lines.append("")
+                          markdown_table(table.rename(columns={"train_len": "L"})), ""]
+        fixed = of_dataset[(of_dataset["protocol"] == "fixed_target") & (of_dataset["metric"] == "loss")]
+        if len(fixed):
+            offsets = sorted(fixed["offset"].unique())
+            table = _grid(fixed.assign(cell=_cells(fixed)), ["model", "policy", "eval_len"], "offset", offsets)
+            table.columns = ["model", "policy", "eval length", *(f"offset {o}" for o in offsets)]
+            lines += [f"## {dataset}: fixed-target loss by offset of the target span", "", markdown_table(table), ""]
     if skipped:
         lines += ["## Not evaluated", ""]
-        seen = set()
-        for s in skipped:
-            key = (s["model"], s["policy"], s["eval_len"], s["reason"])
-            if key not in seen:
-                seen.add(key)
-                lines.append(f"- {s['model']} / {s['policy']} at length {s['eval_len']}: {s['reason']}")
+        reasons = pd.DataFrame(list(skipped)).drop_duplicates(["model", "policy", "eval_len", "reason"])
+        lines += [f"- {s.model} / {s.policy} at length {s.eval_len}: {s.reason}" for s in reasons.itertuples()]
         lines.append("")
     return "\n".join(lines)
 
 
-def ablation_table(mean_records: Sequence[dict], policy: str, multiples=(1, 2, 4, 8)) -> str:
+def ablation_table(means: Iterable[dict] | pd.DataFrame, policy: str, multiples=(1, 2, 4, 8)) -> str:
     """One row per variant: chunked loss and accuracy at each multiple of L, per dataset, and the
     loss change from 1x to the largest multiple (mean over seeds of each run's own change, so the
     interval is the paired one).
@@ -176,61 +245,64 @@ def ablation_table(mean_records: Sequence[dict], policy: str, multiples=(1, 2, 4
     Models with a learned absolute table are shown under `policy` (the other policies are in
     summary.md); relative models have the single policy "none".
     """
-    rows = [r for r in mean_records if r["protocol"] == "chunked" and r["bucket"] == "all"
-            and r["policy"] in (policy, "none")
-            and r["metric"] in ("loss", "accuracy", "loss_change_vs_1x", "gap_closed")]
-    longest = float(max(multiples))
+    means, longest = records_frame(means), max(multiples)
+    rows = means[(means["protocol"] == "chunked") & (means["bucket"] == "all") & means["policy"].isin([policy, "none"])
+                 & means["metric"].isin(["loss", "accuracy", "loss_change_vs_1x", "gap_closed"])]
+    rows = rows.assign(ratio=rows["eval_len"] / rows["train_len"],
+                       cell=_cells(rows, np.where(rows["metric"] == "gap_closed", 2, 3)))
     lines = []
-    for dataset in sorted({r["dataset"] for r in rows}):
-        sel = _select(rows, dataset=dataset)
-        gaps = [m for m in (1, max(multiples)) if _select(sel, metric="gap_closed", eval_len=sel[0]["train_len"] * m)]
+    for dataset in sorted(rows["dataset"].unique()):
+        sel = rows[rows["dataset"] == dataset]
+        gap_lens = sel.loc[sel["metric"] == "gap_closed", "eval_len"]
+        gaps = [m for m in (1, longest) if (gap_lens == sel["train_len"].iloc[0] * m).any()]
+        wanted = ([("loss", float(m)) for m in multiples] + [("accuracy", float(m)) for m in multiples]
+                  + [("loss_change_vs_1x", float(longest))] + [("gap_closed", float(m)) for m in gaps])
+        order = sorted(sel["model"].unique(), key=lambda m: (m in REFERENCES, m))
+        table = _grid(sel, ["model"], ["metric", "ratio"], wanted, pd.DataFrame({"model": order}))
+        table.columns = ["variant", *(f"loss {m}x" for m in multiples), *(f"acc {m}x" for m in multiples),
+                         f"loss {longest}x - 1x", *(f"gap closed {m}x" for m in gaps)]
+        seeds = sel.groupby("model")["n_seeds"].max().fillna(1).astype(int)
+        table.insert(1, "seeds", [seeds[m] for m in order])
         lines += [f"### {dataset}: masked-token loss / accuracy (chunked; absolute tables: {policy})", "",
-                  "| variant | seeds | " + " | ".join(f"loss {m}x" for m in multiples) + " | "
-                  + " | ".join(f"acc {m}x" for m in multiples) + f" | loss {max(multiples)}x - 1x |"
-                  + "".join(f" gap closed {m}x |" for m in gaps),
-                  "|---|---|" + "---|" * (2 * len(multiples) + 1 + len(gaps))]
-        for model in sorted({r["model"] for r in sel}, key=lambda m: (m in REFERENCES, m)):
-            cells = {(r["metric"], r["eval_len"] / r["train_len"]): r for r in _select(sel, model=model)}
-            seeds = max(r.get("n_seeds") or 1 for r in _select(sel, model=model))
-            lines.append(f"| {model} | {seeds} | "
-                         + " | ".join(_fmt(cells.get(("loss", float(m)))) for m in multiples) + " | "
-                         + " | ".join(_fmt(cells.get(("accuracy", float(m)))) for m in multiples) + " | "
-                         + _fmt(cells.get(("loss_change_vs_1x", longest))) + " |"
-                         + "".join(f" {_fmt(cells.get(('gap_closed', float(m))), 2)} |" for m in gaps))
-        lines.append("")
+                  markdown_table(table), ""]
     return "\n".join(lines)
 
 
 _POLICY_STYLES = {"none": "-", "clip": "-", "untrained": "--", "interpolate": ":", "strict": "-."}
 
 
-def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
+def _model_policies(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    return sorted(set(zip(frame["model"], frame["policy"])))
+
+
+def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
     """Loss vs eval/train length (log2 x, interval bands) and loss by position per eval length."""
+    means = records_frame(means)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for dataset in sorted({r["dataset"] for r in mean_records}):
-        rows = _select(mean_records, dataset=dataset, protocol="chunked", metric="loss")
-        overall = [r for r in rows if r["bucket"] == "all"]
-        if not overall:
+    for dataset in sorted(means["dataset"].unique()):
+        rows = means[(means["dataset"] == dataset) & (means["protocol"] == "chunked") & (means["metric"] == "loss")]
+        overall = rows[rows["bucket"] == "all"]
+        if overall.empty:
             continue
         fig, ax = plt.subplots(figsize=(9, 4.5))
         # One colour per model (tab20 has enough for a sweep), one line style per absolute-table policy.
-        models = sorted({r["model"] for r in overall})
+        models = sorted(overall["model"].unique())
         colours = {m: plt.get_cmap("tab20" if len(models) > 10 else "tab10")(i) for i, m in enumerate(models)}
-        for model, policy in sorted({(r["model"], r["policy"]) for r in overall}):
-            sel = sorted(_select(overall, model=model, policy=policy), key=lambda r: r["eval_len"])
-            x = np.array([r["eval_len"] / r["train_len"] for r in sel])
-            y = np.array([r["value"] for r in sel])
+        for model, policy in _model_policies(overall):
+            sel = overall[(overall["model"] == model) & (overall["policy"] == policy)]
+            sel = sel.sort_values("eval_len", kind="stable")
+            x = (sel["eval_len"] / sel["train_len"]).to_numpy()
             label = model if policy == "none" else f"{model} ({policy})"
-            (line,) = ax.plot(x, y, marker="o", label=label, color=colours[model],
+            (line,) = ax.plot(x, sel["value"].to_numpy(), marker="o", label=label, color=colours[model],
                               linestyle=_POLICY_STYLES.get(policy, "-"))
-            if all(r.get("ci_low") is not None for r in sel):
-                ax.fill_between(x, [r["ci_low"] for r in sel], [r["ci_high"] for r in sel],
-                                color=line.get_color(), alpha=0.2)
+            if sel["ci_low"].notna().all():
+                ax.fill_between(x, sel["ci_low"].to_numpy(), sel["ci_high"].to_numpy(), color=line.get_color(),
+                                alpha=0.2)
         ax.set_xscale("log", base=2)
         ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel("eval length / training length")
@@ -243,18 +315,18 @@ def plot_all(mean_records: Sequence[dict], out_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
 
-        curves = sorted({(r["model"], r["policy"]) for r in rows if r["bucket"] != "all"})
+        by_position = rows[rows["bucket"] != "all"].astype({"bucket": "int64"})
+        curves = _model_policies(by_position)
         if not curves:
             continue
         cols = min(len(curves), 4)
         nrows = -(-len(curves) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False, sharey=True)
         for ax, (model, policy) in zip(axes.flat, curves):
-            sel = [r for r in _select(rows, model=model, policy=policy) if r["bucket"] != "all"]
-            for eval_len in sorted({r["eval_len"] for r in sel}):
-                pts = sorted(_select(sel, eval_len=eval_len), key=lambda r: r["bucket"])
-                ax.plot([r["bucket"] / r["train_len"] for r in pts], [r["value"] for r in pts],
-                        label=f"N={eval_len}")
+            sel = by_position[(by_position["model"] == model) & (by_position["policy"] == policy)]
+            for eval_len in sorted(sel["eval_len"].unique()):
+                pts = sel[sel["eval_len"] == eval_len].sort_values("bucket", kind="stable")
+                ax.plot((pts["bucket"] / pts["train_len"]).to_numpy(), pts["value"].to_numpy(), label=f"N={eval_len}")
             ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
             ax.set_title(model if policy == "none" else f"{model} ({policy})", fontsize=9)
             ax.set_xlabel("position in window / training length")

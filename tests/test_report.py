@@ -1,0 +1,113 @@
+"""The report layer on DataFrames: results files round trip, Student-t intervals over seeds, Markdown tables."""
+
+import csv
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from deberta_jax.study import report
+
+
+def record(model, seed, eval_len, value, metric="loss", protocol="chunked", offset=None, bucket="all", ci=(None, None),
+           policy="none", train_len=8):
+    """A record with the fields, and their order, of `length_study.run_study`'s."""
+    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", train_len=train_len,
+                multiple=eval_len / train_len, protocol=protocol, offset=offset, policy=policy, dataset="d",
+                eval_len=eval_len, bucket=bucket, metric=metric, value=value, ci_low=ci[0], ci_high=ci[1],
+                n_tokens=100 + seed if isinstance(seed, int) else 50)
+
+
+def study_records(rng) -> list[dict]:
+    """Three seeds of `a`, one of `b`: chunked (with bootstrap intervals and position buckets), fixed-target."""
+    out = []
+    for model, seeds in (("a", (0, 1, 2)), ("b", (0,))):
+        for seed in seeds:
+            for eval_len in (8, 16):
+                v = float(rng.uniform(1, 3))
+                out.append(record(model, seed, eval_len, v, ci=(v - 0.1, v + 0.2)))
+                out += [record(model, seed, eval_len, float(rng.uniform(1, 3)), bucket=b) for b in (0, 4)]
+                out += [record(model, seed, eval_len, float(rng.uniform(1, 3)), protocol="fixed_target", offset=o,
+                               ci=(0.5, 3.5)) for o in (0, eval_len - 2)]
+    return out
+
+
+def test_load_results_reads_back_what_write_results_wrote(tmp_path):
+    records = study_records(np.random.default_rng(0))
+    frame = pd.concat([report.records_frame(records), report.aggregate_seeds(records)], ignore_index=True)
+    skipped = [dict(model="a", seed=0, policy="strict", dataset="d", eval_len=32, reason="strict policy: ...")]
+    report.write_results(frame, skipped, str(tmp_path))
+
+    for path in (tmp_path, tmp_path / "results.json"):  # the directory or the file
+        pd.testing.assert_frame_equal(report.load_results(path), frame)
+    loaded = report.load_results(tmp_path)
+    assert loaded["offset"].dtype == "Int64"
+    assert loaded["offset"].isna().sum() == (loaded["protocol"] == "chunked").sum()
+    assert set(loaded["bucket"]) == {"all", 0, 4} and loaded["ci_low"].isna().any()
+    assert (loaded["seed"] == "mean").sum() == loaded["n_seeds"].notna().sum()
+    # The files keep their format: each run's records exactly as given, null for a missing value, and a CSV
+    # with the FIELDS columns.
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["records"][: len(records)] == records and data["skipped"] == skipped
+    assert {r["n_seeds"] for r in data["records"][len(records):]} == {1, 3}
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == report.FIELDS and len(rows) == len(frame)
+    assert rows[0]["offset"] == rows[0]["n_seeds"] == "" and rows[0]["seed"] == "0"
+
+
+def test_load_results_names_the_file_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/results.json not found: pass a results.json"):
+        report.load_results(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"curves": {}}))
+    with pytest.raises(ValueError, match="is not a results file: it needs a 'records' list"):
+        report.load_results(tmp_path)
+    broken = record("a", 0, 8, 1.0)
+    del broken["train_len"]
+    with pytest.raises(ValueError, match="results column 'train_len' cannot be read as int64"):
+        report.records_frame([broken])
+    with pytest.raises(FloatingPointError, match="non-finite ci_low"):
+        report.records_frame([record("a", 0, 8, 1.0, ci=(float("nan"), 2.0))])
+
+
+@pytest.mark.parametrize("n_seeds", [2, 3, 10])
+def test_mean_over_seeds_has_the_student_t_interval(n_seeds):
+    rng = np.random.default_rng(n_seeds)
+    values = rng.normal(2.0, 0.3, size=(2, n_seeds))  # two lengths
+    records = [record("a", s, n, float(values[i, s]), ci=(0.0, 5.0)) for i, n in enumerate((8, 16))
+               for s in range(n_seeds)]
+    means = report.aggregate_seeds(records + [record("b", 0, 8, 1.5, ci=(1.25, 1.75))])
+    a = means[means["model"] == "a"]
+    lo, hi = stats.t.interval(0.95, n_seeds - 1, loc=values.mean(axis=1), scale=stats.sem(values, axis=1))
+    np.testing.assert_allclose(a["value"], values.mean(axis=1), rtol=1e-15)
+    np.testing.assert_allclose(a["ci_low"], lo, rtol=1e-12)
+    np.testing.assert_allclose(a["ci_high"], hi, rtol=1e-12)
+    assert list(a["n_seeds"]) == [n_seeds] * 2 and list(a["n_tokens"]) == [sum(range(100, 100 + n_seeds))] * 2
+    assert a["source"].iloc[0] == ";".join(sorted(f"runs/a-s{s}" for s in range(n_seeds)))
+    b = means[means["model"] == "b"].iloc[0]  # a single run keeps its bootstrap interval
+    assert (b["value"], b["ci_low"], b["ci_high"], b["n_seeds"]) == (1.5, 1.25, 1.75, 1)
+
+
+def test_markdown_table_renders_a_dataframe():
+    frame = pd.DataFrame({"model": ["a", "b|c"], "L": [8, 16], "1x": ["1.000 [0.900, 1.100]", "–"]})
+    assert report.markdown_table(frame) == ("| model | L | 1x |\n|---|---|---|\n"
+                                            "| a | 8 | 1.000 [0.900, 1.100] |\n| b\\|c | 16 | – |")
+
+
+def test_summary_tables_pivot_the_mean_rows():
+    values = [1.0, 1.25, 1.75]
+    records = [record("a", s, 8, v) for s, v in enumerate(values)] + [
+        record("a", s, 10, 2.0) for s in range(3)] + [
+        record("b", 0, 8, 1.5, ci=(1.4, 1.6), policy="clip"),
+        record("b", 0, 8, 3.0, protocol="fixed_target", offset=6, policy="clip")]
+    summary = report.markdown_summary(report.aggregate_seeds(records), [])
+    half = stats.t.ppf(0.975, 2) * np.std(values, ddof=1) / np.sqrt(3)
+    m = np.mean(values)
+    assert (f"## d: chunked, masked-token loss\n\n| model | policy | L | 1x | L+2 |\n|---|---|---|---|---|\n"
+            f"| a | none | 8 | {m:.3f} [{m - half:.3f}, {m + half:.3f}] | 2.000 [2.000, 2.000] |\n"
+            "| b | clip | 8 | 1.500 [1.400, 1.600] | – |\n") in summary
+    assert "| a | none | 8 | – | – |\n| b | clip | 8 | – | – |" in summary  # no accuracy was scored
+    assert ("| model | policy | eval length | offset 6 |\n|---|---|---|---|\n| b | clip | 8 | 3.000 |"
+            in summary)
