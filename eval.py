@@ -35,7 +35,9 @@ FLAGS = flags.FLAGS
 _DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
 _csv = lambda values: [str(v) for v in values]  # noqa: E731
 flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
-flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories (with tokenizer.json) to evaluate.")
+flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories to evaluate: model.safetensors "
+                          "and config.json, with tokenizer.json or, as published checkpoints ship it, DeBERTa's "
+                          "spm.model or BERT's vocab.txt (converted by transformers).")
 flags.DEFINE_string("checkpoint", "latest", "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
 flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs), hf:NAME[:CONFIG][:SPLIT] or "
                           "synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")

@@ -7,6 +7,8 @@ Subpackages follow the import layers, each importing only from the ones before i
     model    ModelConfig, positions, attention variants, the encoder, transformers checkpoints   (-> kernels)
     train    train/eval steps, optimizer, sharding, checkpoints, metrics, config validation   (-> data, model)
     study    scoring windows, the length study, reference models, reports, sweeps   (-> data, model, train)
+    export   a trained workdir as a transformers checkpoint   (-> data, model, train)
 
-`train.py` and `eval.py` at the repository root are the entry points; `tests/test_layers.py` checks the layering.
+`train.py` and `eval.py` at the repository root are the entry points, with `python -m deberta_jax.export`;
+`tests/test_layers.py` checks the layering.
 """

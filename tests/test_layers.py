@@ -9,13 +9,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "deberta_jax"
-# What each subpackage may import (the layers: data, kernels -> model -> train -> study).
+# What each subpackage may import (the layers: data, kernels -> model -> train -> study, export).
 ALLOWED = {
     "data": {"data"},
     "kernels": {"kernels"},
     "model": {"kernels", "model"},
     "train": {"data", "kernels", "model", "train"},
     "study": {"data", "kernels", "model", "train", "study"},
+    "export": {"data", "kernels", "model", "train", "export"},
 }
 
 

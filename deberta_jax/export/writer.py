@@ -1,0 +1,70 @@
+"""A trained workdir as a transformers checkpoint directory: the model through `hf.save`, the tokenizer as
+`tokenizer.json` plus the `tokenizer_config.json` that tells `AutoTokenizer` how to read it.
+
+Nothing here needs transformers: the files are the documented formats, written with `tokenizers`,
+`safetensors` and JSON, and the tests load them with transformers to prove it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
+from deberta_jax.model import hf
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.train import checkpoint
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+EXPORTED_FILES = (hf.CONFIG_FILE, hf.WEIGHTS_FILE, hf.TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+# The class every transformers version maps to a tokenizer.json-backed tokenizer (v5 writes "TokenizersBackend",
+# which v4 does not know).
+_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, *, model_max_length: int, token_types: bool) -> None:
+    """Write `tokenizer` for `AutoTokenizer.from_pretrained(path)`, with this project's special tokens in their
+    transformers roles; `token_types` says whether the model takes `token_type_ids`."""
+    SpecialIds.from_tokenizer(tokenizer)  # every special token is there, or an error naming the missing one
+    tokenizer.save(os.path.join(path, hf.TOKENIZER_FILE))
+    # SpecialIds' fields follow SPECIAL_TOKENS: pad, unk, cls, sep, mask -> pad_token="[PAD]", ...
+    roles = {f"{field.name}_token": token for field, token in zip(dataclasses.fields(SpecialIds), SPECIAL_TOKENS)}
+    inputs = ["input_ids", "token_type_ids", "attention_mask"] if token_types else ["input_ids", "attention_mask"]
+    config = {"tokenizer_class": _TOKENIZER_CLASS, **roles, "model_max_length": model_max_length,
+              "model_input_names": inputs}
+    with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def check_out_dir(out: str | os.PathLike) -> None:
+    """Refuses a directory holding files an export does not write (another checkpoint's `pytorch_model.bin` or
+    `spm.model` beside ours would be read in place of, or mixed with, the exported files)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out={out} is a file; name a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORTED_FILES) if out.is_dir() else []
+    if foreign:
+        raise FileExistsError(f"--out={out} already holds {foreign[:5]}, which an export does not write; "
+                              "choose an empty or new directory")
+
+
+def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> list[str]:
+    """Write `model` and `tokenizer` to `out`; returns the lengths past which transformers' logits differ
+    (`hf.export_differences`, also warned). Raises `hf.ExportError` naming any field transformers lacks."""
+    check_out_dir(out)
+    cfg = model.cfg
+    notes = hf.save(model, out, pad_token_id=SpecialIds.from_tokenizer(tokenizer).pad)
+    save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings,
+                   token_types=cfg.type_vocab_size > 0)
+    return notes
+
+
+def export_workdir(workdir: str | os.PathLike, out: str | os.PathLike, step: int | str | None = None) -> list[str]:
+    """Export a training workdir's checkpoint (`step` as in `checkpoint.load_workdir`) to `out`."""
+    _, model, tokenizer = checkpoint.load_workdir(workdir, step)
+    return export_model(model, tokenizer, out)
