@@ -29,7 +29,7 @@ from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
 from deberta_jax.study import length_study, report
-from deberta_jax.train import sharding
+from deberta_jax.train import checkpoint, sharding
 
 FLAGS = flags.FLAGS
 _DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
@@ -111,9 +111,10 @@ def main(argv):
         raise app.UsageError("give at least one --workdir or --hf_checkpoint")
     if not FLAGS.data_files:
         raise app.UsageError("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
-    if FLAGS.checkpoint not in ("latest", "best") and not FLAGS.checkpoint.isdigit():
-        raise app.UsageError(f"--checkpoint={FLAGS.checkpoint!r}: use 'latest', 'best' or a step number")
-    step = None if FLAGS.checkpoint == "latest" else "best" if FLAGS.checkpoint == "best" else int(FLAGS.checkpoint)
+    try:
+        step = checkpoint.parse_step(FLAGS.checkpoint)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from None
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,

@@ -18,6 +18,7 @@ from absl import app, flags, logging
 
 from deberta_jax.export import writer
 from deberta_jax.model import hf
+from deberta_jax.train import checkpoint
 
 flags.DEFINE_string("workdir", None, "Training workdir to export (its config.json, tokenizer.json and checkpoints).")
 flags.DEFINE_string("out", None, "Directory to write: new, empty, or an earlier export of the same files.")
@@ -28,9 +29,10 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    if FLAGS.checkpoint not in ("latest", "best") and not FLAGS.checkpoint.isdigit():
-        raise app.UsageError(f"--checkpoint={FLAGS.checkpoint!r}: use 'latest', 'best' or a step number")
-    step = None if FLAGS.checkpoint == "latest" else "best" if FLAGS.checkpoint == "best" else int(FLAGS.checkpoint)
+    try:
+        step = checkpoint.parse_step(FLAGS.checkpoint)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from None
     try:
         with warnings.catch_warnings():  # the returned notes are logged below, without a source line
             warnings.simplefilter("ignore", hf.ExportWarning)

@@ -240,6 +240,15 @@ def read_config(workdir: str | Path) -> config_dict.ConfigDict:
     return config_dict.ConfigDict(json.loads(path.read_text()))
 
 
+def parse_step(text: str) -> int | str:
+    """A `--checkpoint` flag's value as `select_step` takes it: 'latest', 'best' or a step number."""
+    if text in ("latest", "best"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--checkpoint={text!r}: use 'latest', 'best' or a step number")
+
+
 def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir) -> int:
     """`None` or "latest" -> latest, "best" -> lowest eval loss, int -> that step."""
     available = manager.all_steps()
