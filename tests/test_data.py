@@ -157,14 +157,15 @@ def write_corpus(path, documents):
 
 
 def counting_packer(monkeypatch):
+    """Records the seq_len of every store built (every cache miss)."""
     calls = []
-    real = packing.pack_documents
+    real = packing.store.build
 
-    def pack(*args, **kwargs):
-        calls.append(args[2])
-        return real(*args, **kwargs)
+    def build(path, *args, **kwargs):
+        calls.append(int(path.name.split("-")[1][1:]))  # packed-L{seq_len}-{digest}
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(packing, "pack_documents", pack)
+    monkeypatch.setattr(packing.store, "build", build)
     return calls
 
 
@@ -185,11 +186,11 @@ def test_second_call_hits_cache(tmp_path, corpus, documents, tokenizer, monkeypa
     def fail(*args, **kwargs):
         raise AssertionError("tokenized again despite a cached result")
 
-    monkeypatch.setattr(packing, "load_documents", fail)
-    monkeypatch.setattr(packing, "pack_documents", fail)
+    monkeypatch.setattr(packing, "iter_documents", fail)
+    monkeypatch.setattr(packing.encoding, "encode_stream", fail)
     assert_same(load_or_pack(str(corpus), tokenizer, 32, cache), first)
     assert "cache hit" in caplog.text
-    assert [p.suffix for p in cache.iterdir()] == [".npz"]  # no temporary files left over
+    assert [p.name for p in cache.iterdir()] == [packing.cache_path(str(corpus), tokenizer, 32, cache).name]  # no temps
 
 
 def test_cache_invalidated_by_seq_len_and_file(tmp_path, corpus, documents, tokenizer, monkeypatch):
@@ -215,11 +216,11 @@ def test_interrupted_write_leaves_no_cache(tmp_path, corpus, documents, tokenize
     write_corpus(corpus, documents[:2])
     cache = tmp_path / "cache"
 
-    def interrupted_savez(file, **arrays):
-        file.write(b"PK\x03\x04 half a zip")
+    def interrupted_encoding(*args, **kwargs):
+        yield np.arange(5, 50, dtype=np.uint16)  # half a stream written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(np, "savez", interrupted_savez)
+    monkeypatch.setattr(packing.encoding, "encode_stream", interrupted_encoding)
     with pytest.raises(KeyboardInterrupt):
         load_or_pack(str(corpus), tokenizer, 32, cache)
     assert list(cache.iterdir()) == []

@@ -136,7 +136,7 @@ def test_packing_caches_by_canonical_spec_and_generator_version(tmp_path, monkey
     packed = load_or_pack(spec, tok, 32, tmp_path)
     assert packed.num_rows == -(-(40 * 300 + 39) // 30)  # every symbol one token, [SEP] between documents
     assert not np.isin(packed.input_ids, [SpecialIds.from_tokenizer(tok).unk]).any()
-    monkeypatch.setattr(packing, "load_documents", lambda spec: pytest.fail("cache miss"))
+    monkeypatch.setattr(packing, "iter_documents", lambda spec: pytest.fail("cache miss"))
     respelled = f"synthetic:markov:validation:seed=0,{SMALL}"
     np.testing.assert_array_equal(load_or_pack(respelled, tok, 32, tmp_path).input_ids, packed.input_ids)
     assert cache_path(spec + ",seed=1", tok, 32, tmp_path) != cache_path(spec, tok, 32, tmp_path)

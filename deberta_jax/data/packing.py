@@ -1,10 +1,14 @@
-"""Packing documents into fixed-length rows, caching them on disk, and deterministic batching.
+"""Packing documents into fixed-length rows, the on-disk token cache, and deterministic batching.
 
 Packing concatenates all documents into one token stream (a `[SEP]` between documents) and cuts
 it into rows `[CLS] t_1 .. t_{L-2} [SEP]`, so no tokens are wasted on padding except in the last
 row. That last, partial row is kept and padded after its `[SEP]` (its attention mask is 0 there)
 rather than dropped, so evaluation sees every token of small validation sets even at long
 sequence lengths.
+
+The cache (`load_or_pack`) holds only that stream, memory-mapped (`store`), and rows are cut from it
+when a batch asks for them (`StreamRows`): neither tokenizing a corpus (streamed, in parallel:
+`encoding`) nor training on it holds the corpus in memory, and the rows are those `pack_stream` cuts.
 
 Batching is a pure function of (seed, step): resuming at step s yields exactly the batches of an
 uninterrupted run, with no data-loader state to checkpoint.
@@ -18,16 +22,15 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from deberta_jax.data import synthetic
-from deberta_jax.data.text import is_hf_spec, load_documents, resolve_files
+from deberta_jax.data import encoding, store, synthetic
+from deberta_jax.data.text import is_hf_spec, iter_documents, resolve_files
 from deberta_jax.data.tokenizer import CONTINUATION_PREFIX, SpecialIds
 
 logger = logging.getLogger(__name__)
@@ -35,9 +38,9 @@ logger = logging.getLogger(__name__)
 # Below 8 a row is mostly [CLS]/[SEP]; above 64k a length-extrapolation run would not fit in memory.
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 65536
-ENCODE_CHUNK_DOCS = 256
-# Bump when the packed layout changes, so caches written by older code are not reused.
-CACHE_FORMAT = 1
+# Bump when the cached data or its layout changes, so caches written by older code are not reused.
+# 2: a memory-mapped token stream (`store`) instead of packed rows in an .npz file.
+CACHE_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # arrays have no single truth value
@@ -83,54 +86,108 @@ class NoTokensError(ValueError):
     """Text that tokenizes to nothing (e.g. only control characters)."""
 
 
-def token_stream(documents: Sequence[str], tokenizer: Tokenizer, sep_id: int) -> np.ndarray:
-    """Tokenizes documents (no special tokens) into one int32 stream with `sep_id` between documents."""
-    pieces: list[np.ndarray] = []
-    separator = np.array([sep_id], dtype=np.int32)
-    # Chunks bound the memory of live Encoding objects and drive the progress bar;
-    # encode_batch parallelizes across the documents of a chunk.
-    with tqdm(total=len(documents), desc="tokenizing", unit="doc", disable=None) as bar:
-        for start in range(0, len(documents), ENCODE_CHUNK_DOCS):
-            chunk = documents[start : start + ENCODE_CHUNK_DOCS]
-            for encoding in tokenizer.encode_batch(list(chunk), add_special_tokens=False):
-                if encoding.ids:  # a document the normalizer empties would leave [SEP] [SEP]
-                    if pieces:
-                        pieces.append(separator)
-                    pieces.append(np.asarray(encoding.ids, dtype=np.int32))
-            bar.update(len(chunk))
+def token_stream(documents: Iterable[str], tokenizer: Tokenizer, sep_id: int) -> np.ndarray:
+    """Tokenizes documents (no special tokens) into one int32 stream with `sep_id` between documents.
+
+    In this process and in memory: for evaluation texts; corpora go through `load_or_pack`.
+    """
+    documents = list(documents)
+    pieces = list(encoding.encode_stream(documents, tokenizer, sep_id, np.int32, workers=1))
     if not pieces:
         raise NoTokensError(f"its {len(documents)} documents contain no tokens after the tokenizer's normalization")
     return np.concatenate(pieces)
 
 
-def pack_stream(stream: np.ndarray, special: SpecialIds, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cuts a token stream into `[CLS] content [SEP]` rows; returns (input_ids, attention_mask)."""
+def num_packed_rows(num_tokens: int, seq_len: int) -> int:
+    """Rows of `seq_len` that a stream of `num_tokens` packs into (the partial tail is one padded row)."""
+    return -(-num_tokens // (seq_len - 2))
+
+
+def cut_rows(stream: np.ndarray, rows: np.ndarray, special: SpecialIds, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `rows` of the packing of `stream` as (input_ids, attention_mask), int32 [len(rows), seq_len].
+
+    Row r is `[CLS] stream[r*C : (r+1)*C] [SEP]` with C = seq_len - 2; the last row, if the stream ends
+    inside it, closes with [SEP] right after its tokens and is padded (attention mask 0) after that. Reads
+    only those rows' tokens, so `stream` may be a memory map of any size.
+    """
     check_seq_len(seq_len)
     content = seq_len - 2
-    num_rows = -(-len(stream) // content)  # ceil: the partial tail becomes one padded row
-    tail = len(stream) - (num_rows - 1) * content  # content tokens in the last row, 1..content
-    body = np.full(num_rows * content, special.pad, dtype=np.int32)
-    body[: len(stream)] = stream
-    input_ids = np.empty((num_rows, seq_len), dtype=np.int32)
+    rows = np.asarray(rows, dtype=np.int64)
+    num_rows = num_packed_rows(len(stream), seq_len)
+    if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
+        raise IndexError(f"rows {rows.min()}..{rows.max()} requested; the stream packs into rows 0..{num_rows - 1}")
+    whole = len(stream) // content  # rows filled with stream tokens to the end
+    input_ids = np.empty((len(rows), seq_len), dtype=np.int32)
     input_ids[:, 0] = special.cls
-    input_ids[:, 1:-1] = body.reshape(num_rows, content)
     input_ids[:, -1] = special.sep
-    if tail < content:  # the last row closes with [SEP] right after its tokens, then padding
-        input_ids[-1, tail + 1] = special.sep
-        input_ids[-1, -1] = special.pad
-    attention_mask = np.ones((num_rows, seq_len), dtype=np.int32)
-    attention_mask[-1, tail + 2 :] = 0
+    attention_mask = np.ones((len(rows), seq_len), dtype=np.int32)
+    is_whole = rows < whole
+    input_ids[is_whole, 1:-1] = stream[: whole * content].reshape(whole, content)[rows[is_whole]]
+    tail = ~is_whole
+    if tail.any():
+        rest = stream[whole * content :]
+        input_ids[tail, 1 : 1 + len(rest)] = rest
+        input_ids[tail, 1 + len(rest)] = special.sep
+        input_ids[tail, 2 + len(rest) :] = special.pad
+        attention_mask[tail, 2 + len(rest) :] = 0
     return input_ids, attention_mask
 
 
-def pack_documents(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int) -> PackedData:
-    """Tokenizes and packs documents into `[CLS] ... [SEP]` rows of exactly `seq_len` tokens."""
+def pack_stream(stream: np.ndarray, special: SpecialIds, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cuts a token stream into `[CLS] content [SEP]` rows; returns (input_ids, attention_mask)."""
+    check_seq_len(seq_len)
+    return cut_rows(stream, np.arange(num_packed_rows(len(stream), seq_len)), special, seq_len)
+
+
+class StreamRows:
+    """The rows `pack_stream` cuts from `tokens`, built only when asked for (`take`): `tokens` may be a memory
+    map of a whole corpus.
+
+    Reads like `PackedData` (num_rows, seq_len, take; batches come from `take`). The whole arrays
+    `input_ids`, `attention_mask` and `word_start` are built on every access, for evaluation texts; the
+    memory-mapped stream itself is `tokens`.
+    """
+
+    def __init__(self, tokens: np.ndarray, special: SpecialIds, seq_len: int, continuation: np.ndarray):
+        check_seq_len(seq_len)
+        if not len(tokens):
+            raise ValueError("StreamRows needs a non-empty token stream")
+        self.tokens, self.special, self.continuation = tokens, special, continuation
+        self._seq_len = seq_len
+
+    @property
+    def num_rows(self) -> int:
+        return num_packed_rows(len(self.tokens), self._seq_len)
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def take(self, rows: np.ndarray) -> PackedData:
+        """Builds the selected rows, e.g. one batch, in memory."""
+        input_ids, attention_mask = cut_rows(self.tokens, rows, self.special, self._seq_len)
+        word_start = ~self.continuation[input_ids] & attention_mask.astype(bool)
+        return PackedData(input_ids, attention_mask, word_start)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return cut_rows(self.tokens, np.arange(self.num_rows), self.special, self._seq_len)[0]
+
+    @property
+    def attention_mask(self) -> np.ndarray:
+        return cut_rows(self.tokens, np.arange(self.num_rows), self.special, self._seq_len)[1]
+
+    @property
+    def word_start(self) -> np.ndarray:
+        return self.take(np.arange(self.num_rows)).word_start
+
+
+def pack_documents(documents: Iterable[str], tokenizer: Tokenizer, seq_len: int) -> PackedData:
+    """Tokenizes and packs documents into `[CLS] ... [SEP]` rows of exactly `seq_len` tokens, in memory."""
     check_seq_len(seq_len)
     special = SpecialIds.from_tokenizer(tokenizer)
-    stream = token_stream(documents, tokenizer, special.sep)
-    input_ids, attention_mask = pack_stream(stream, special, seq_len)
-    word_start = ~continuation_table(tokenizer)[input_ids] & attention_mask.astype(bool)
-    return PackedData(input_ids, attention_mask, word_start)
+    rows = StreamRows(token_stream(documents, tokenizer, special.sep), special, seq_len, continuation_table(tokenizer))
+    return rows.take(np.arange(rows.num_rows))
 
 
 def _source_fingerprint(spec: str) -> object:
@@ -144,50 +201,69 @@ def _source_fingerprint(spec: str) -> object:
 
 
 def cache_path(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path) -> Path:
-    """Cache file for these inputs; any change to the files, tokenizer or seq_len gives a new name."""
+    """Cache directory (a `store`) for these inputs; any change to the files, tokenizer or seq_len gives a new
+    name."""
     key = json.dumps({"format": CACHE_FORMAT, "source": _source_fingerprint(spec), "seq_len": seq_len})
     digest = hashlib.sha256(key.encode())
     digest.update(tokenizer.to_str().encode())
-    return Path(cache_dir) / f"packed-L{seq_len}-{digest.hexdigest()[:24]}.npz"
+    return Path(cache_dir) / f"packed-L{seq_len}-{digest.hexdigest()[:24]}"
 
 
-def _save_atomic(path: Path, packed: PackedData) -> None:
-    """Writes to a temporary file and renames it, so a crash never leaves a truncated cache behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **dataclasses.asdict(packed))
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path,
+                 workers: int | None = None) -> StreamRows:
+    """The packed rows of `spec`, cut on demand from its memory-mapped token stream in `cache_dir`; on a cache
+    miss the text is read lazily and tokenized by `workers` processes (default: one per CPU) into the cache.
 
-
-def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path) -> PackedData:
-    """Returns the packed rows for `spec`, reading them from `cache_dir` when an identical run cached them.
-
-    Hub data is keyed by its spec only: if the dataset changes upstream, delete the cache file.
+    Hub data is keyed by its spec only: if the dataset changes upstream, delete the cache directory.
     """
+    check_seq_len(seq_len)
+    special = SpecialIds.from_tokenizer(tokenizer)
     path = cache_path(spec, tokenizer, seq_len, cache_dir)
-    if path.is_file():
+    tokens = store.load(path)
+    if tokens is not None:
         logger.info("data cache hit: %s -> %s", spec, path)
-        with np.load(path) as arrays:
-            return PackedData(**{field.name: arrays[field.name] for field in dataclasses.fields(PackedData)})
-    logger.info("data cache miss: packing %s into %s", spec, path)
-    try:
-        packed = pack_documents(load_documents(spec), tokenizer, seq_len)
-    except NoTokensError as err:
-        raise NoTokensError(f"data spec {spec!r}: {err}; give text with words in it") from None
-    _save_atomic(path, packed)
-    return packed
+    else:
+        logger.info("data cache miss: tokenizing %s into %s", spec, path)
+        documents = _Counted(tqdm(iter_documents(spec), desc="tokenizing", unit="doc", disable=None))
+        vocab_size = tokenizer.get_vocab_size()
+        dtype = store.token_dtype(vocab_size)
+        pieces = encoding.encode_stream(documents, tokenizer, special.sep, dtype, workers or os.cpu_count() or 1)
+        info = {"format": CACHE_FORMAT, "spec": spec, "vocab_size": vocab_size}
+        tokens = store.build(path, _nonempty(pieces, spec, documents), dtype, info)
+    return StreamRows(tokens, special, seq_len, continuation_table(tokenizer))
 
 
-@functools.lru_cache(maxsize=4)
+class _Counted:
+    """Counts the items passing through, for messages about them."""
+
+    def __init__(self, items: Iterable[str]):
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _nonempty(pieces: Iterable[np.ndarray], spec: str, documents: _Counted) -> Iterator[np.ndarray]:
+    """`pieces`, failing at the end (before the store is committed) if they hold no token."""
+    empty = True
+    for piece in pieces:
+        empty = empty and not len(piece)
+        yield piece
+    if empty:
+        raise NoTokensError(f"data spec {spec!r}: its {documents.count} documents contain no tokens after the "
+                            "tokenizer's normalization; give text with words in it")
+
+
+@functools.lru_cache(maxsize=2)
 def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """Row order of one epoch; cached because consecutive steps almost always share an epoch."""
+    """Row order of one epoch; cached because consecutive steps almost always share an epoch (two: a batch may
+    straddle an epoch boundary). Held as int32 when the rows allow: it is the one array of training's input
+    whose size grows with the corpus (4 bytes per row)."""
     permutation = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    if num_rows <= np.iinfo(np.int32).max:
+        permutation = permutation.astype(np.int32)
     permutation.flags.writeable = False
     return permutation
 
