@@ -1,4 +1,9 @@
-"""Suite-wide set-up: one persistent JAX compilation cache for every test process.
+"""Suite-wide set-up: cheaper XLA compiles, and one persistent JAX compilation cache for every test process.
+
+Most of the suite's time is XLA compiling small models for the CPU, not running them. Tests compile at
+LLVM optimization level 0 (`--xla_backend_optimization_level=0`, set before any backend starts, inherited by
+subprocesses): the same HLO and fusions, compiled in about half the time, run somewhat slower, which tiny
+test models do not notice.
 
 Dozens of tests train or evaluate the same micro models, in-process and through `train.py` / `eval.py`
 subprocesses; each would compile the same train and eval steps again. JAX's persistent cache (keyed by the
@@ -12,6 +17,8 @@ import os
 import jax
 import pytest
 
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def jax_compilation_cache(tmp_path_factory):
@@ -24,3 +31,8 @@ def jax_compilation_cache(tmp_path_factory):
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)  # subprocesses (train.py, eval.py) read the same cache
     return cache
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `long` first (a stable sort): a worker that picks one up last would run on alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

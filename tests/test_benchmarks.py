@@ -33,6 +33,7 @@ def test_flops_per_token_of_bert_tiny():
 
 
 @pytest.mark.slow  # runs the script end to end
+@pytest.mark.long
 def test_train_step_benchmark_prints_a_json_line_per_case_with_the_torch_comparison():
     out = run_script("train_step.py", "--model", "bert,deberta", "--size", "micro", "--seq", "32", "--batch", "2",
                      "--warmup", "0", "--steps", "1", "--compare-transformers")

@@ -3,7 +3,7 @@ CPU (collectives over gloo), against the same run in one process.
 
 What must hold across topologies: the same config gives the same run on 1 process or 2 (row order, masks and
 dropout are functions of (seed, step, global row)); a checkpoint saved by 2 processes resumes on 1 and one
-saved by 1 resumes on 2, with or without FSDP; only process 0 writes metrics; both processes use the
+saved by 1 resumes on 2, with parameters replicated or split (FSDP); only process 0 writes metrics; both processes use the
 tokenizer process 0 trained; both processes preparing one data cache at once leave one intact cache;
 `eval.py` over 2 processes gives the single-process records.
 """
@@ -24,7 +24,7 @@ from configs import deberta
 from deberta_jax.train import checkpoint, metrics_io
 from tests.helpers import write_brown_slices
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -67,7 +67,6 @@ def launch(script: str, args: list[str], log_dir, num_processes: int = 2) -> lis
     Logs go to files, not pipes: a process blocked on a full pipe would stall the other at the next barrier.
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
     if num_processes > 1:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(num_processes))
     logs = [log_dir / f"{os.path.basename(script)}-{num_processes}-{i}.log" for i in range(num_processes)]
@@ -133,12 +132,14 @@ def test_two_process_run_equals_one_and_resumes_on_one_process(corpus, single_pr
     assert_same_run(workdir, single_process_run)
 
 
-def test_one_process_checkpoint_resumes_on_two_processes_with_fsdp(corpus, single_process_run, tmp_path):
-    """Steps 1-4 on one process (parameters replicated), 5-8 on two with parameters split over them."""
+def test_checkpoints_move_between_one_process_and_two_with_fsdp(corpus, single_process_run, tmp_path):
+    """Steps 1-4 on one process (parameters replicated), 5-6 on two with parameters split over them, 7-8 on
+    one again."""
     cache, workdir = tmp_path / "cache", tmp_path / "run"
     train.train_and_evaluate(micro_config(corpus, cache), workdir, stop_at_step=4)
-    logs = launch("train.py", train_flags(corpus, workdir, cache, **{"mesh.fsdp": 2}), tmp_path)
-    assert "resuming from the checkpoint at step 4" in logs[0] and "resuming from the checkpoint at step 4" in logs[1]
+    logs = launch("train.py", train_flags(corpus, workdir, cache, **{"mesh.fsdp": 2}) + ["--stop_at_step=6"], tmp_path)
+    assert all("resuming from the checkpoint at step 4" in log for log in logs)
+    train.train_and_evaluate(micro_config(corpus, cache), workdir)
     assert_same_run(workdir, single_process_run)
 
 

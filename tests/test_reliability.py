@@ -201,6 +201,7 @@ KILLS = 20
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_at_random_moments_never_stops_the_next_restart(straight_run, cache, tmp_path):
     """train.py killed (SIGKILL) 20 times at random moments, then run to the end: every logged value and the final
     parameters equal an uninterrupted run's.

@@ -65,6 +65,7 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     assert launched == [runs[1]["command"]]
 
 
+@pytest.mark.long
 def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_path, monkeypatch):
     plan = ablation.get_config("smoke")
     plan.workdir_root, plan.report_dir = str(tmp_path / "runs"), str(tmp_path / "report")

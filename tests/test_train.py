@@ -84,7 +84,8 @@ def test_resume_equals_straight_run(corpus, straight_run, tmp_path):
 
 def test_eight_devices_match_one(corpus, straight_run, tmp_path):
     """Same global batch split over 8 fake CPU devices: same losses and parameters to float tolerance."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
     flags = [f"--config.{k}={v}" for k, v in overrides(corpus).items()]
     result = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path), *flags],

@@ -87,9 +87,9 @@ def unigram_reference(em: EvalModel) -> EvalModel:
     config = checkpoint.read_config(em.source)
     packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len),
                                   config.data.cache_dir)
-    special = SpecialIds.from_tokenizer(em.tokenizer)
-    stream = packed.input_ids[packed.attention_mask > 0]
-    unigram = UnigramModel(stream[~np.isin(stream, special.all)], em.tokenizer.get_vocab_size(), special)
+    # The memory-mapped token stream (every content token once, [SEP] between documents, whose counts the
+    # model ignores), counted without building the rows.
+    unigram = UnigramModel(packed.tokens, em.tokenizer.get_vocab_size(), SpecialIds.from_tokenizer(em.tokenizer))
     return EvalModel("unigram", "-", f"unigram({em.source})", unigram, em.tokenizer, em.train_len)
 
 

@@ -19,13 +19,17 @@ from deberta_jax.data.tokenizer import SpecialIds
 
 # Forward messages the oracle keeps at once (float64 count): 128 MiB.
 MESSAGE_BUDGET = 1 << 24
+COUNT_CHUNK = 1 << 24  # tokens the unigram model counts at a time
 
 
 class UnigramModel:
     """Add-one-smoothed unigram distribution over the non-special vocabulary."""
 
     def __init__(self, train_stream: np.ndarray, vocab_size: int, special: SpecialIds):
-        counts = np.bincount(train_stream, minlength=vocab_size).astype(np.float64) + 1.0
+        # In chunks: `train_stream` may map a whole corpus, which one bincount would copy at 8 bytes a token.
+        counts = np.ones(vocab_size, np.float64)
+        for start in range(0, len(train_stream), COUNT_CHUNK):
+            counts += np.bincount(train_stream[start:start + COUNT_CHUNK], minlength=vocab_size)
         counts[list(special.all)] = 0.0  # targets are never special tokens
         with np.errstate(divide="ignore"):  # special tokens get log 0 = -inf on purpose
             self.log_probs = np.log(counts / counts.sum())
