@@ -1,7 +1,7 @@
 """Preparing a corpus larger than memory into the token store, and feeding training from it.
 
     .venv/bin/python benchmarks/data_pipeline.py                        # 1 GB of generated text
-    .venv/bin/python benchmarks/data_pipeline.py --source /work/shared/data/brown/train.txt
+    .venv/bin/python benchmarks/data_pipeline.py --source $DATA/brown/train.txt
     .venv/bin/python benchmarks/data_pipeline.py --size-mb 64 --small-mb 16 --steps 3   # a quick look
 
 Prints one line per phase:
