@@ -84,5 +84,6 @@ def packed_stream(packed: packing.PackedData) -> np.ndarray:
     Content cells are columns 1..N-2; in the padded last row a cell holds content exactly when the
     cell after it is still real (the [SEP] closing that row is the last real cell).
     """
-    content = packed.input_ids[:, 1:-1]
-    return content[packed.attention_mask[:, 2:] == 1]
+    rows = packed.take(np.arange(packed.num_rows))  # cut once (a memory-mapped store builds rows on request)
+    content = rows.input_ids[:, 1:-1]
+    return content[rows.attention_mask[:, 2:] == 1]
