@@ -130,10 +130,10 @@ def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
     assert "/no/such/file.txt" not in result.stderr
 
 
-@pytest.mark.parametrize("arg", ["", "smoke"])
+@pytest.mark.parametrize("arg", ["", "core", "smoke"])
 def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
-    from configs.sweeps import natural
+    from configs.sweeps import natural, variants
     from deberta_jax.study import sweep
 
     plan = natural.get_config(arg)
@@ -146,9 +146,23 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         config.data.seq_len = plan.seq_lens[0]
         validate(config, num_devices=1)
         resolved[variant.name] = config
-    assert sorted(resolved) == sorted(natural.NAMES)
+    expected = [v.name for v in variants.core()] if arg == "core" else natural.NAMES
+    assert sorted(resolved) == sorted(expected)
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout, c.train.to_dict())
                for name, c in resolved.items()}
     assert len(set(map(repr, recipes.values()))) == 1  # one recipe for all
-    if not arg:
+    if arg != "smoke":
         assert recipes["bert"][:3] == (0.3, 0.0, 0.0) and resolved["bert"].train.learning_rate == 2e-3
+
+
+def test_natural_core_sweep_reuses_the_default_sweeps_runs():
+    """`natural.py:core` trains the default set's variants with the very same commands, in the same workdirs, so
+    the three runs of the committed natural study are shared rather than trained twice with another recipe."""
+    from configs.sweeps import natural
+    from deberta_jax.study import sweep
+
+    default = {run["name"]: run for run in sweep.planned_runs(natural.get_config(""))}
+    core = {run["name"]: run for run in sweep.planned_runs(natural.get_config("core"))}
+    assert set(default) < set(core)
+    for name, run in default.items():
+        assert core[name]["command"] == run["command"] and core[name]["workdir"] == run["workdir"]
