@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from deberta_jax.data import batches, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
-from deberta_jax.data.text import load_documents
+from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation, workdir_lock
 
@@ -75,7 +75,7 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
         return synthetic.tokenizer(config.data.train_files)
     if jax.process_index() == 0:
         logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
-        tokenizer = tokenizer_lib.train_tokenizer(load_documents(config.data.train_files), config.model.vocab_size)
+        tokenizer = tokenizer_lib.train_tokenizer(DocumentStream(config.data.train_files), config.model.vocab_size)
         if jax.process_count() == 1:
             return tokenizer
         tokenizer_lib.save_tokenizer(tokenizer, own)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models
 from deberta_jax.data import packing
 from deberta_jax.data.masking import mask_tokens, masking_rngs
 from deberta_jax.data.packing import PackedData, batch_indices, get_batch, load_or_pack, pack_documents, process_share
-from deberta_jax.data.text import load_documents
+from deberta_jax.data.text import DocumentStream, load_documents
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds, load_tokenizer, save_tokenizer, train_tokenizer
 
 BROWN_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "brown" / "train.txt"
@@ -46,6 +46,19 @@ def test_ascii_is_never_unknown(tokenizer):
 def test_training_is_deterministic(documents, tokenizer):
     # Plain `tokenizers` training differs between runs on this very subset (huggingface/tokenizers#1794).
     assert train_tokenizer(documents, vocab_size=2000).to_str() == tokenizer.to_str()
+
+
+def test_training_from_a_stream_equals_training_from_a_list(documents, tokenizer, tmp_path):
+    """train.py trains on `DocumentStream`, read twice from disk, so the corpus is never held; same vocabulary."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(documents) + "\n")
+    stream = DocumentStream(str(path))
+    assert list(stream) == documents  # the file holds exactly the fixture's documents
+    assert train_tokenizer(stream, vocab_size=2000).to_str() == tokenizer.to_str()
+    with pytest.raises(TypeError, match="reads its documents twice"):
+        train_tokenizer(iter(documents), vocab_size=2000)
+    with pytest.raises(ValueError, match="zero documents"):
+        train_tokenizer([], vocab_size=2000)
 
 
 def test_only_real_special_tokens_are_special(tokenizer):

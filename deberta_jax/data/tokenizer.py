@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -69,15 +69,21 @@ def _initial_alphabet(tokenizer: Tokenizer) -> list[str]:
     return sorted(set(tokenizer.normalizer.normalize_str(ASCII_ALPHABET)))
 
 
-def _continuation_tokens(documents: Sequence[str], tokenizer: Tokenizer) -> list[str]:
-    """Returns `##c` for every character c that can occur inside a word, sorted by code point.
+def _continuation_tokens(documents: Iterable[str], tokenizer: Tokenizer) -> list[str]:
+    """Returns `##c` for every character c that can occur inside a word, sorted by code point (one pass over
+    `documents`; an empty corpus is refused here).
 
     Works around a `tokenizers` bug (huggingface/tokenizers#1794): the trainer numbers `##c`
     tokens in hash-map order, which changes from run to run, and those numbers break ties between
     equally frequent merges, so two trainings on the same text give different vocabularies.
     Registering the `##c` tokens up front fixes their ids and makes training deterministic.
     """
-    raw_chars = set().union(*map(set, documents))
+    raw_chars, count = set(), 0
+    for document in documents:
+        raw_chars.update(document)
+        count += 1
+    if not count:
+        raise ValueError("cannot train a tokenizer on zero documents")
     alphabet = set(tokenizer.normalizer.normalize_str("".join(raw_chars))) | set(_initial_alphabet(tokenizer))
     # A character can continue a word unless the pre-tokenizer splits it off (spaces,
     # punctuation) or the normalizer isolates it (CJK ideographs).
@@ -89,8 +95,12 @@ def _continuation_tokens(documents: Sequence[str], tokenizer: Tokenizer) -> list
     return [CONTINUATION_PREFIX + c for c in sorted(inner)]
 
 
-def train_tokenizer(documents: Sequence[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
+def train_tokenizer(documents: Iterable[str], vocab_size: int, lowercase: bool = True) -> Tokenizer:
     """Trains a BERT-style WordPiece tokenizer; the same documents always give the same vocabulary.
+
+    `documents` is read twice (its characters, then its words), so it must be a collection, not a one-shot
+    iterator: a list, or `text.DocumentStream(spec)` for a corpus larger than memory, of which only the word
+    counts are then held.
 
     The vocabulary always holds the special tokens, printable ASCII and every character seen, so
     on a tiny corpus or with a tiny `vocab_size` its size may differ from `vocab_size`: size the
@@ -98,8 +108,9 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int, lowercase: bool =
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} leaves no room besides the {len(SPECIAL_TOKENS)} special tokens")
-    if not documents:
-        raise ValueError("cannot train a tokenizer on zero documents")
+    if iter(documents) is documents:
+        raise TypeError("train_tokenizer reads its documents twice; pass a list or text.DocumentStream(spec), "
+                        "not an iterator or generator")
     scratch = configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
