@@ -80,8 +80,9 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
         config = micro_variant_config(variant, corpus)
         config.train.num_steps = run["num_steps"]
         train.train_and_evaluate(config, run["workdir"])
-    report_path = sweep.evaluate_and_report(plan, runs)
+    report_path = sweep.evaluate_and_report(plan, runs, "run")
     text = open(report_path).read()
+    assert "by `--mode run`" in text and "configs/sweeps/ablation.py:smoke" in text
     for label in ("bert-L16", "deberta-L16", "unigram"):
         assert f"| {label} |" in text
     assert (tmp_path / "report" / "loss_vs_length_brown_valid.png").is_file()
@@ -91,10 +92,11 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
         raise AssertionError("evaluated again")
 
     monkeypatch.setattr(sweep.length_study, "run_study", fail)
-    assert open(sweep.evaluate_and_report(plan, runs)).read().split("## Sweep")[0].count("| unigram |") == 2
+    again = open(sweep.evaluate_and_report(plan, runs, "report")).read()
+    assert again.split("## Sweep")[0].count("| unigram |") == 2 and "by `--mode report`" in again
     plan.eval.num_targets += 1
     with pytest.raises(AssertionError, match="evaluated again"):
-        sweep.evaluate_and_report(plan, runs)
+        sweep.evaluate_and_report(plan, runs, "report")
 
 
 def test_flatten_builds_override_names():

@@ -18,6 +18,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from deberta_jax.data.targets import EVAL_MASK_PROB, EvalCorpus, Windows
+from deberta_jax.study.report import CONFIDENCE
 from deberta_jax.train import steps
 from deberta_jax.train.sharding import sum_across_processes
 
@@ -142,7 +143,7 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
 def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, resamples: np.ndarray,
                        transform: Callable[[np.ndarray], np.ndarray] = lambda x: x
                        ) -> tuple[float | None, float | None]:
-    """95% percentile interval of `transform(sum(num) / sum(den))` over document resamples.
+    """`CONFIDENCE` percentile interval of `transform(sum(num) / sum(den))` over document resamples.
 
     `resamples` is `[B, D]` document indices shared by all models, so intervals are paired. With fewer than
     two documents that hold targets every resample is the same text and the interval would have zero width,
@@ -152,7 +153,8 @@ def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, resamples: np.ndarray,
         return None, None
     den_b = den[resamples].sum(axis=1)
     stat = transform(num[resamples].sum(axis=1) / np.maximum(den_b, 1))
-    lo, hi = np.percentile(stat[den_b > 0], [2.5, 97.5]) if (den_b > 0).any() else (np.nan, np.nan)
+    tail = 50 * (1 - CONFIDENCE)  # percent in each tail
+    lo, hi = np.percentile(stat[den_b > 0], [tail, 100 - tail]) if (den_b > 0).any() else (np.nan, np.nan)
     return float(lo), float(hi)
 
 

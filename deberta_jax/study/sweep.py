@@ -136,7 +136,7 @@ def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, setti
     return records, skipped
 
 
-def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
+def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: str) -> str:
     """Length-evaluate every finished run (each cached in its workdir) and a unigram floor, then write
     raw results, summary, plots and REPORT.md."""
     done = [r for r in runs if finished(r)]
@@ -177,7 +177,8 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict]) -> str:
     lines = [
         f"# Ablation report: {sweep.title}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} from code version "
-        f"`{code_version(out)}` by `{sweep_command(sweep)}`.", "",
+        f"`{code_version(out)}` by `--mode {mode}`; to train what is missing and report: `{sweep_command(sweep)}`.",
+        "",
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy), "",
@@ -214,7 +215,7 @@ def main(argv):
     with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
         if FLAGS.mode == "run":
             train_all(runs)
-        print("report:", evaluate_and_report(sweep, runs))
+        print("report:", evaluate_and_report(sweep, runs, FLAGS.mode))
 
 
 if __name__ == "__main__":
