@@ -9,7 +9,10 @@ Prints one line per phase:
                words replaced by fresh random words in every copy. Without them every word after the first copy
                would hit the tokenizer's piece cache (`encoding.PieceCache`); a natural corpus keeps bringing
                new words (the default 1% is about the share of first occurrences in a GB of English);
-  tokenizer    a WordPiece tokenizer of --vocab tokens trained on one copy of the text;
+  tokenizer    a WordPiece tokenizer of --vocab tokens trained on one copy of the text; with --whole-tokenizer
+               also on the whole small corpus as `train.py` trains one (without config.data.tokenizer), from a
+               `text.DocumentStream` and, for comparison, from a list of its documents, each in a fresh process:
+               seconds, peak resident memory (VmHWM), and whether the two vocabularies agree;
   prepare      `packing.load_or_pack` on an empty cache (read, tokenize with worker processes, write the store):
                MB of text per second (wall clock), CPU seconds of this process and its workers, and the peak
                resident memory of the process tree (VmRSS summed over it, sampled every 50 ms);
@@ -161,7 +164,7 @@ class Input:
 
 def open_rows(inp: Input) -> tuple[packing.StreamRows, batches.Masker]:
     tokenizer = Tokenizer.from_str(inp.tokenizer_json)
-    if not packing.cache_path(inp.spec, tokenizer, inp.seq_len, inp.cache_dir).is_dir():
+    if not packing.cache_path(inp.spec, tokenizer, inp.cache_dir).is_dir():
         raise RuntimeError(f"{inp.spec} is not prepared in {inp.cache_dir}")
     rows = packing.load_or_pack(inp.spec, tokenizer, inp.seq_len, inp.cache_dir)
     from configs import deberta
@@ -243,6 +246,23 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+def whole_tokenizer(spec: str, vocab_size: int, stream: bool) -> dict:
+    """Tokenizer training on all of `spec`, from a `DocumentStream` (train.py's way) or from a list."""
+    start = time.perf_counter()
+    documents = text.DocumentStream(spec) if stream else text.load_documents(spec)
+    vocab = train_tokenizer(documents, vocab_size).to_str()
+    return dict(seconds=time.perf_counter() - start, peak_mb=own_memory()["peak_rss_mb"], vocab=vocab)
+
+
+def report_whole_tokenizer(path: Path, vocab_size: int) -> None:
+    results = {how: in_fresh_process(whole_tokenizer, str(path), vocab_size, how == "stream")
+               for how in ("stream", "list")}
+    print(f"tokenizer on the whole {path.stat().st_size / MB:,.1f} MB corpus: " + "; ".join(
+        f"from a {'DocumentStream' if how == 'stream' else 'list'} {r['seconds']:.1f} s, peak resident memory "
+        f"{r['peak_mb']:.0f} MB" for how, r in results.items())
+        + f"; same vocabulary: {results['stream']['vocab'] == results['list']['vocab']}", flush=True)
+
+
 def prepare(name: str, path: Path, tokenizer: Tokenizer, args, cache_dir: Path) -> Input:
     size_mb = path.stat().st_size / MB
     load = os.getloadavg()[0]
@@ -253,7 +273,7 @@ def prepare(name: str, path: Path, tokenizer: Tokenizer, args, cache_dir: Path) 
     wall = time.perf_counter() - start
     cpu = cpu_seconds() - cpu
     tokens = len(rows.tokens)
-    stored = packing.cache_path(str(path), tokenizer, args.seq_len, cache_dir) / store.TOKENS_FILE
+    stored = packing.cache_path(str(path), tokenizer, cache_dir) / store.TOKENS_FILE
     print(f"prepare ({name}): {size_mb:,.1f} MB in {wall:.1f} s = {size_mb / wall:.1f} MB/s; {tokens:,} tokens "
           f"({tokens / wall / 1e6:.2f} M/s) into a {stored.stat().st_size / MB:,.0f} MB {rows.tokens.dtype} store; "
           f"CPU {cpu:.0f} s ({cpu / wall:.2f} cores, {1e3 * cpu / size_mb:.0f} ms/MB); peak resident memory "
@@ -290,6 +310,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", default=None, help="for the corpora and stores (default: a temporary "
                         "directory, deleted at the end)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--whole-tokenizer", action="store_true", help="also train a tokenizer on the whole small "
+                        "corpus, streamed and from a list (minutes per 50 MB)")
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="data_pipeline-"))
@@ -307,6 +329,8 @@ def main(argv=None) -> None:
         tokenizer = train_tokenizer(text.split_documents(base.decode("utf-8-sig").split("\n")), args.vocab)
         print(f"tokenizer: {tokenizer.get_vocab_size():,} WordPiece tokens trained on one copy in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
+        if args.whole_tokenizer:
+            report_whole_tokenizer(corpora["small"], args.vocab)
         inputs = {name: prepare(name, path, tokenizer, args, workdir / "cache") for name, path in corpora.items()}
         fed = {name: report_feed(name, inp, args) for name, inp in inputs.items()}
         grown = fed["full"]["after"]["anon_mb"] - fed["small"]["after"]["anon_mb"]

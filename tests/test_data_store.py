@@ -179,7 +179,7 @@ def test_piece_cache_starts_over_when_full(tokenizer, documents):
 def test_store_is_a_memory_mapped_npy_of_uint16(tmp_path, corpus, documents, tokenizer):
     rows = load_or_pack(str(corpus), tokenizer, 32, tmp_path)
     assert isinstance(rows.tokens, np.memmap) and rows.tokens.dtype == np.uint16
-    path = packing.cache_path(str(corpus), tokenizer, 32, tmp_path)
+    path = packing.cache_path(str(corpus), tokenizer, tmp_path)
     on_disk = np.load(path / store.TOKENS_FILE, mmap_mode="r")
     np.testing.assert_array_equal(on_disk, old_token_stream(documents, tokenizer, SPECIAL.sep))
     assert isinstance(rows.take([0]).input_ids, np.ndarray) and not isinstance(rows.take([0]).input_ids, np.memmap)
@@ -235,7 +235,7 @@ def test_concurrent_preparations_write_one_store(tmp_path, corpus, documents, to
     for thread in threads:
         thread.join(60)
     assert "completed by another process meanwhile" in caplog.text
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [packing.cache_path(str(corpus), tokenizer, 32,
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [packing.cache_path(str(corpus), tokenizer,
                                                                                       tmp_path / "cache").name]
     expected = old_pack_documents(documents, tokenizer, 32)
     for rows in results:
@@ -250,7 +250,7 @@ def dead_pid() -> int:
 @pytest.mark.parametrize("damage", ["truncated", "no manifest", "extended"])
 def test_a_damaged_store_is_rebuilt_not_read(tmp_path, corpus, documents, tokenizer, damage, caplog):
     first = load_or_pack(str(corpus), tokenizer, 32, tmp_path)
-    path = packing.cache_path(str(corpus), tokenizer, 32, tmp_path)
+    path = packing.cache_path(str(corpus), tokenizer, tmp_path)
     size = (path / store.TOKENS_FILE).stat().st_size
     del first  # close the memory map before damaging its file
     if damage == "truncated":  # e.g. a disk that filled up under a copy of the cache
@@ -267,7 +267,7 @@ def test_a_damaged_store_is_rebuilt_not_read(tmp_path, corpus, documents, tokeni
 
 
 def test_leftovers_of_crashed_preparations_are_removed(tmp_path, corpus, tokenizer):
-    path = packing.cache_path(str(corpus), tokenizer, 32, tmp_path / "cache")
+    path = packing.cache_path(str(corpus), tokenizer, tmp_path / "cache")
     path.parent.mkdir()
     host = __import__("socket").gethostname()
     crashed = path.with_name(f"{path.name}.tmp-{host}-{dead_pid()}-0000")

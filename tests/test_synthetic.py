@@ -139,10 +139,10 @@ def test_packing_caches_by_canonical_spec_and_generator_version(tmp_path, monkey
     monkeypatch.setattr(packing, "iter_documents", lambda spec: pytest.fail("cache miss"))
     respelled = f"synthetic:markov:validation:seed=0,{SMALL}"
     np.testing.assert_array_equal(load_or_pack(respelled, tok, 32, tmp_path).input_ids, packed.input_ids)
-    assert cache_path(spec + ",seed=1", tok, 32, tmp_path) != cache_path(spec, tok, 32, tmp_path)
-    before = cache_path(spec, tok, 32, tmp_path)
+    assert cache_path(spec + ",seed=1", tok, tmp_path) != cache_path(spec, tok, tmp_path)
+    before = cache_path(spec, tok, tmp_path)
     monkeypatch.setattr(synthetic, "GENERATOR_VERSION", synthetic.GENERATOR_VERSION + 1)
-    assert cache_path(spec, tok, 32, tmp_path) != before
+    assert cache_path(spec, tok, tmp_path) != before
 
 
 # --- the oracle ---

@@ -200,13 +200,14 @@ def _source_fingerprint(spec: str) -> object:
     return [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in resolve_files(spec)]
 
 
-def cache_path(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path) -> Path:
-    """Cache directory (a `store`) for these inputs; any change to the files, tokenizer or seq_len gives a new
-    name."""
-    key = json.dumps({"format": CACHE_FORMAT, "source": _source_fingerprint(spec), "seq_len": seq_len})
+def cache_path(spec: str, tokenizer: Tokenizer, cache_dir: str | Path) -> Path:
+    """Cache directory (a `store`) of the token stream of `spec`; any change to the files or the tokenizer gives a
+    new name. The stream does not depend on the row length (rows are cut from it when read), so runs at every
+    `seq_len` share one store."""
+    key = json.dumps({"format": CACHE_FORMAT, "source": _source_fingerprint(spec)})
     digest = hashlib.sha256(key.encode())
     digest.update(tokenizer.to_str().encode())
-    return Path(cache_dir) / f"packed-L{seq_len}-{digest.hexdigest()[:24]}"
+    return Path(cache_dir) / f"tokens-{digest.hexdigest()[:24]}"
 
 
 def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path,
@@ -218,7 +219,7 @@ def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str |
     """
     check_seq_len(seq_len)
     special = SpecialIds.from_tokenizer(tokenizer)
-    path = cache_path(spec, tokenizer, seq_len, cache_dir)
+    path = cache_path(spec, tokenizer, cache_dir)
     tokens = store.load(path)
     if tokens is not None:
         logger.info("data cache hit: %s -> %s", spec, path)
