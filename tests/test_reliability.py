@@ -176,6 +176,22 @@ def test_load_workdir_names_a_damaged_checkpoint_and_the_intact_ones(straight_ru
     params_of(run, STEPS - 2)  # the others load
 
 
+def test_a_checkpoints_content_fingerprint_follows_its_files_not_its_path(straight_run, tmp_path):
+    """What keys cached evaluations: a moved copy is the same run, a changed parameter file is not."""
+    moved = tmp_path / "moved"
+    shutil.copytree(straight_run, moved)
+    original = checkpoint.content_fingerprint(straight_run, STEPS)
+    assert checkpoint.content_fingerprint(moved, STEPS) == original
+    assert checkpoint.content_fingerprint(moved, STEPS - 2) != original
+    data = largest_file(step_dir(moved, STEPS) / "params")
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))
+    assert checkpoint.content_fingerprint(moved, STEPS) != original
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint for step {STEPS + 1}"):
+        checkpoint.content_fingerprint(moved, STEPS + 1)
+
+
 @pytest.mark.slow
 def test_resuming_with_another_vocab_size_is_refused_and_older_workdirs_still_resume(cache, tmp_path):
     """config.model.vocab_size changes the tokenizer a run trains, which a resumed run does not retrain."""

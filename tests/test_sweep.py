@@ -94,6 +94,17 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     monkeypatch.setattr(sweep.length_study, "run_study", fail)
     again = open(sweep.evaluate_and_report(plan, runs, "report")).read()
     assert again.split("## Sweep")[0].count("| unigram |") == 2 and "by `--mode report`" in again
+    # The same files spelled another way are the same evaluation ...
+    monkeypatch.chdir(tmp_path / "runs")
+    plan.data_dir = "../data"
+    sweep.evaluate_and_report(plan, runs, "report")
+    # ... but other eval files, or changed eval settings, are not.
+    wikitext = tmp_path / "data" / "wikitext-2" / "test.txt"
+    wikitext.unlink()
+    wikitext.write_text((corpus / "valid.txt").read_text())
+    with pytest.raises(AssertionError, match="evaluated again"):
+        sweep.evaluate_and_report(plan, runs, "report")
+    plan.data_dir = str(tmp_path / "data")
     plan.eval.num_targets += 1
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")

@@ -190,7 +190,7 @@ def pack_documents(documents: Iterable[str], tokenizer: Tokenizer, seq_len: int)
     return rows.take(np.arange(rows.num_rows))
 
 
-def _source_fingerprint(spec: str) -> object:
+def source_fingerprint(spec: str) -> object:
     """What identifies the input text: the spec itself for Hub data, the canonical spec and generator version
     for synthetic data, else each file's path, size and mtime."""
     if synthetic.is_synthetic_spec(spec):
@@ -204,7 +204,7 @@ def cache_path(spec: str, tokenizer: Tokenizer, cache_dir: str | Path) -> Path:
     """Cache directory (a `store`) of the token stream of `spec`; any change to the files or the tokenizer gives a
     new name. The stream does not depend on the row length (rows are cut from it when read), so runs at every
     `seq_len` share one store."""
-    key = json.dumps({"format": CACHE_FORMAT, "source": _source_fingerprint(spec)})
+    key = json.dumps({"format": CACHE_FORMAT, "source": source_fingerprint(spec)})
     digest = hashlib.sha256(key.encode())
     digest.update(tokenizer.to_str().encode())
     return Path(cache_dir) / f"tokens-{digest.hexdigest()[:24]}"

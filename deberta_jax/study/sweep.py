@@ -11,7 +11,9 @@ so a sweep is resumable for free: finished runs (a checkpoint at `num_steps`) ar
 interrupted ones resume from their last checkpoint. `--mode print` writes the same commands for a
 cluster scheduler instead of running them; `--mode report` evaluates whatever has finished. Each
 run's evaluation is kept in its workdir (`length_eval.json`), so an interrupted report resumes and a
-finished one is rebuilt in seconds.
+finished one is rebuilt in seconds; it is keyed by the evaluation settings and by what the checkpoint and
+the eval files contain, so moving a workdir or spelling the data path differently keeps it, and retraining
+a run or changing an eval file does not.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
-from deberta_jax.data import synthetic
+from deberta_jax.data import packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, validation, workdir_lock
@@ -119,8 +121,8 @@ def study_settings(sweep: config_dict.ConfigDict) -> length_study.StudySettings:
 
 def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, settings, corpora) -> tuple[list, list]:
     """`run_study` for one model, kept in `cache_path` so an interrupted or repeated report does not
-    evaluate a run again; the cache is used only if `fingerprint` (what the result depends on:
-    settings, eval files, the run's command) is unchanged."""
+    evaluate a run again; the cache is used only if `fingerprint` (what the result depends on: settings,
+    the eval files' contents, the checkpoint's) is unchanged."""
     fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as they come back from the file
     if os.path.isfile(cache_path):
         with open(cache_path) as f:
@@ -145,14 +147,17 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
     settings = study_settings(sweep)
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
-    base = dict(settings=dataclasses.asdict(settings), data_files=sweep.eval.data_files.to_dict())
+    # Keyed by what the files are (resolved path, size, mtime), not how the config spells them.
+    base = dict(settings=dataclasses.asdict(settings),
+                data_files={name: packing.source_fingerprint(spec) for name, spec in sweep.eval.data_files.items()})
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     note = length_study.unpaired_note(
         (run["name"], pathlib.Path(run["workdir"], checkpoint.TOKENIZER_FILE).read_text()) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
         print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)
-        recs, skips = cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, command=run["command"][1:]),
+        identity = checkpoint.content_fingerprint(run["workdir"], run["num_steps"])
+        recs, skips = cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
                                    lambda run=run: length_study.load_workdir_model(run["workdir"]),
                                    datasets, settings, corpora)
         records += recs
@@ -160,15 +165,16 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
     # The floor every variant must beat (unigram counts from the shared training files and tokenizer) and, for
     # synthetic data, the oracle no variant can beat, on the first run's windows.
     first = done[0]["workdir"]
+    first_identity = checkpoint.content_fingerprint(first, done[0]["num_steps"])
     recs, _ = cached_study(
-        os.path.join(sweep.workdir_root, "unigram_" + EVAL_CACHE), dict(base, counts_from=first),
+        os.path.join(sweep.workdir_root, "unigram_" + EVAL_CACHE), dict(base, counts_from=first_identity),
         lambda: length_study.unigram_reference(length_study.load_workdir_model(first)), datasets, settings, corpora)
     records += recs
     for i, (name, spec) in enumerate(sweep.eval.data_files.items()):
         if synthetic.is_synthetic_spec(spec):
             recs, _ = cached_study(
                 os.path.join(sweep.workdir_root, f"oracle{i}_" + EVAL_CACHE),
-                dict(base, oracle=spec, windows_from=first),
+                dict(base, oracle=spec, windows_from=first_identity),
                 lambda name=name, spec=spec: length_study.oracle_references(
                     length_study.load_workdir_model(first), {name: spec})[0], datasets, settings, corpora)
             records += recs

@@ -268,6 +268,19 @@ def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir)
     return step
 
 
+def content_fingerprint(workdir: str | Path, step: int) -> str:
+    """sha256 over everything a model loaded from checkpoint `step` of `workdir` depends on: the step's parameter
+    files, the resolved config and the tokenizer. Caches of results computed from a run are keyed by it, so they
+    stay valid when the workdir is moved or spelled differently and miss when the run is trained again."""
+    step_dir = Path(workdir) / CHECKPOINT_DIR / str(step)
+    if not step_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint for step {step} in {workdir}")
+    digest = hashlib.sha256(json.dumps(_digests(step_dir / "params"), sort_keys=True).encode())
+    for name in (CONFIG_FILE, TOKENIZER_FILE):
+        digest.update((Path(workdir) / name).read_bytes())
+    return digest.hexdigest()
+
+
 def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
                  ) -> tuple[config_dict.ConfigDict, MaskedLM, Tokenizer]:
     """Rebuilds `(config, model, tokenizer)` from a training workdir, nothing else needed.
