@@ -219,16 +219,31 @@ def test_oracle_scores_only_its_synthetic_dataset_and_gap_closed_is_the_share_of
     assert gaps[16] == pytest.approx((u - m) / (u - o))
 
 
-def test_curves_refuse_runs_that_did_not_see_the_same_batches(tmp_path):
+def test_curves_refuse_runs_that_did_not_see_the_same_batches(tmp_path, monkeypatch):
     from configs import bert, deberta
     from deberta_jax.study import curves
     from deberta_jax.train import checkpoint
 
-    checkpoint.write_config(tmp_path / "a", deberta.get_config("micro"))
-    checkpoint.write_config(tmp_path / "b", bert.get_config("micro"))  # another model, same data and schedule
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.txt", "valid.txt", "other.txt"):
+        (data / name).write_text(f"{name}\n")
+
+    def config(family, train="train.txt", data_dir=str(data)):
+        c = family.get_config("micro")
+        c.data.train_files, c.data.eval_files = f"{data_dir}/{train}", f"{data_dir}/valid.txt"
+        return c
+
+    monkeypatch.chdir(tmp_path)
+    checkpoint.write_config(tmp_path / "a", config(deberta))
+    # Another model, the same files spelled relative to the working directory, the same schedule.
+    checkpoint.write_config(tmp_path / "b", config(bert, data_dir="data"))
     curves.check_same_batches({"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})
-    other = bert.get_config("micro")
+    other = config(bert)
     other.train.learning_rate = 0.5
     checkpoint.write_config(tmp_path / "c", other)
     with pytest.raises(ValueError, match=r"c .* was not trained like a: config.train.learning_rate 0.001 vs 0.5"):
         curves.check_same_batches({"a": str(tmp_path / "a"), "c": str(tmp_path / "c")})
+    checkpoint.write_config(tmp_path / "d", config(bert, train="other.txt"))
+    with pytest.raises(ValueError, match=r"d .* config.data.train_files '.*/train.txt' vs '.*/other.txt'"):
+        curves.check_same_batches({"a": str(tmp_path / "a"), "d": str(tmp_path / "d")})

@@ -22,6 +22,7 @@ import os
 import pandas as pd
 from absl import app, flags
 
+from deberta_jax.data import packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, metrics_io, validation
@@ -53,13 +54,19 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
     """Refuses runs whose data, seed or schedule differ: their curves would not be comparable step for step."""
     keys = ("seed", "data.train_files", "data.eval_files", "data.seq_len", "data.mask_prob", "train.batch_size",
             "train.num_steps", "train.learning_rate", "train.warmup_steps", "train.schedule")
+    data_keys = ("data.train_files", "data.eval_files")
+
     def values(workdir):
         config = checkpoint.read_config(workdir)
         return {key: validation.get_field(config, key) for key in keys}
+
+    def same(key, a, b):  # data by the files it names, however spelled
+        return packing.source_fingerprint(a) == packing.source_fingerprint(b) if key in data_keys else a == b
+
     first_label, first = next(iter(workdirs.items()))
     reference = values(first)
     for label, workdir in workdirs.items():
-        differ = {k: (reference[k], v) for k, v in values(workdir).items() if v != reference[k]}
+        differ = {k: (reference[k], v) for k, v in values(workdir).items() if not same(k, reference[k], v)}
         if differ:
             raise ValueError(f"{label} ({workdir}) was not trained like {first_label}: "
                              + ", ".join(f"config.{k} {a!r} vs {b!r}" for k, (a, b) in differ.items()))
