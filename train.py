@@ -34,8 +34,9 @@ from tqdm import tqdm
 from deberta_jax.data import batches, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
-from deberta_jax.model.config import ModelConfig
-from deberta_jax.train import checkpoint, metrics_io, optim, sharding, steps, validation, workdir_lock
+from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
+from deberta_jax.train import checkpoint, metrics_io, sharding, validation, workdir_lock
+from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics; resumed if it has any.")
@@ -85,14 +86,17 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
 
 def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
     """Refuses to continue a workdir's checkpoints with another model (or a vocabulary its tokenizer was not
-    trained for); logs every other change."""
+    trained for); logs every other change (another attention kernel, remat policy or layer scan among them)."""
     saved = checkpoint.read_config(workdir)
     # Model fields added since the workdir was written hold their defaults, which is what it trained with.
     saved.model = config_dict.ConfigDict(ModelConfig.from_dict(saved.model.to_dict()).to_dict())
     if VOCAB_REQUEST not in saved.data:  # a workdir from before the request was recorded
         saved.data[VOCAB_REQUEST] = run.data[VOCAB_REQUEST]
     changes = validation.differences(saved, run)
-    model_changes = {k: v for k, v in changes.items() if k.startswith("model.") or k == "data." + VOCAB_REQUEST}
+    # Kernel, remat and scan change how the parameters are computed with, not what they are: checkpoints load.
+    computation = {f"model.{name}" for name in COMPUTATION_FIELDS}
+    model_changes = {k: v for k, v in changes.items()
+                     if (k.startswith("model.") and k not in computation) or k == "data." + VOCAB_REQUEST}
     if model_changes:
         raise validation.ConfigError(
             f"{workdir} holds checkpoints of another model; changed: "
@@ -174,29 +178,11 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
             "train without evaluation.")
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
 
-    # ------------------------------------------------------------------ model & optimizer
-    schedule = optim.learning_rate_schedule(train_cfg.learning_rate, train_cfg.warmup_steps,
-                                            train_cfg.num_steps, train_cfg.schedule)
-    optimizer = optim.make_optimizer(train_cfg, schedule)
-    graphdef = steps.model_graphdef(model_config)
-    init_fn = steps.make_init_fn(model_config, optimizer, config.seed)
-
-    # ------------------------------------------------------------------ state & sharding
-    abstract_state = jax.eval_shape(init_fn)
-    replicated = sharding.replicated(mesh)
-    state_sharding = sharding.state_sharding(mesh, abstract_state)  # replicated unless config.mesh.fsdp > 1
-    batch_sharding = sharding.batch_sharding(mesh)
-    num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
+    # ------------------------------------------------------------------ model, optimizer, sharding, steps
+    programs = run_programs.build(config, model_config, mesh)
+    train_step, eval_step = programs.train_step, programs.eval_step
+    num_params = sum(x.size for x in jax.tree.leaves(programs.abstract_state.params))
     logging.info("model: %s, %.2fM parameters", model_config, num_params / 1e6)
-
-    # ------------------------------------------------------------------ step
-    train_step = jax.jit(
-        steps.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
-                              grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob),
-        in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
-        donate_argnums=0)
-    eval_step = jax.jit(steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob),
-                        in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
     if is_main:
@@ -207,12 +193,11 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
     state = None
     if manager.all_steps():
         check_resumable(workdir, run)
-        targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                               abstract_state, state_sharding)
+        targets = run_programs.abstract_with_sharding(programs.abstract_state, programs.state_sharding)
         state = checkpoint.restore_newest_intact(manager, targets, workdir)
         logging.info("resuming from the checkpoint at step %d", int(state.step))
     if state is None:
-        state = jax.jit(init_fn, out_shardings=state_sharding)()
+        state = programs.init()
     start_step = int(state.step)
     if is_main:
         tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
@@ -223,7 +208,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
         """Masked-LM loss and accuracy over all eval batches: sums added on device, divided once."""
         totals = None
         for batch in evals:
-            sums = eval_step(params, sharding.global_batch(batch, batch_sharding))
+            sums = eval_step(params, sharding.global_batch(batch, programs.batch_sharding))
             totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
         totals = jax.device_get(totals)
         if int(totals["dropped"]):
@@ -251,7 +236,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
             rows = batches.train_batch(
                 train_data, masker, batch_size=train_cfg.batch_size, step=step - 1, seed=config.seed,
                 process_index=jax.process_index(), process_count=jax.process_count())
-            state, metrics = train_step(state, sharding.global_batch(rows, batch_sharding))
+            state, metrics = train_step(state, sharding.global_batch(rows, programs.batch_sharding))
             pending.append((step, metrics))
             timer_steps += 1
             bar.update()

@@ -14,8 +14,13 @@ entry another worker is still writing reads as a miss (JAX warns and compiles), 
 
 import os
 
-import jax
-import pytest
+# libtpu is installed for the TPU compiles of tests/test_aot.py: without this, JAX would look for a TPU first.
+# Parallel workers each load libtpu for those compiles, which it allows only when told to.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402 - after the platform is chosen
+import pytest  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 

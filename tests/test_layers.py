@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "deberta_jax"
-# What each subpackage may import (the layers: data, kernels -> model -> train -> study, export).
+# What each subpackage may import (the layers: data, kernels -> model -> train -> study, export -> aot).
 ALLOWED = {
     "data": {"data"},
     "kernels": {"kernels"},
@@ -17,6 +17,7 @@ ALLOWED = {
     "train": {"data", "kernels", "model", "train"},
     "study": {"data", "kernels", "model", "train", "study"},
     "export": {"data", "kernels", "model", "train", "export"},
+    "aot": {"data", "kernels", "model", "train", "study", "aot"},
 }
 
 

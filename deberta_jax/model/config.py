@@ -22,6 +22,14 @@ ABSOLUTE_POSITION_POLICIES = ("strict", "untrained", "clip", "interpolate")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("gelu", "gelu_new", "relu")
 LAYER_NORM_PLACEMENTS = ("post", "pre")
+# Rematerialization of each layer's activations in the backward pass (`jax.checkpoint`), by what is kept:
+# "none" keeps everything, "full" only each layer's input, "dots" every matmul output, "dots_no_batch" the
+# matmuls without batch dimensions (the projections and the MLP, not the attention scores). The names are
+# those of `jax.checkpoint_policies`.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# Fields that change how the parameters are computed with, not what they are: a checkpoint written under one
+# value loads under any other (`encoder.with_options`, resuming a run with another kernel or remat policy).
+COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan_layers")
 
 
 class ConfigError(ValueError):
@@ -78,6 +86,12 @@ class ModelConfig:
     exist past the training length (error past the table), "clip" repeats the last trained row,
     "interpolate" stretches the trained rows over the longer sequence.
 
+    `remat` and `scan_layers` trade compute and compile time for memory without changing a result: `remat`
+    recomputes each layer's activations in the backward pass instead of keeping them (`REMAT_POLICIES` says what
+    each policy keeps), and `scan_layers` runs the identical layers as one `lax.scan` over their stacked
+    parameters, so XLA compiles one layer instead of `num_layers` (faster compiles of deep models). Parameters stay
+    one subtree per layer either way, so checkpoints interchange between every setting.
+
     `layer_norm_placement` is where each layer normalizes: "post" (BERT and DeBERTa as published, so
     their checkpoints load) normalizes after each residual add; "pre" (Xiong et al. 2020) normalizes each
     sub-layer's input and the final output, leaving the residual stream unnormalized, which trains
@@ -131,6 +145,8 @@ class ModelConfig:
     emd_layers: int = 2
 
     dtype: str = "float32"
+    remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
         # Accept lists and "c2p|p2c" strings (transformers' spelling) but store a sorted tuple so
@@ -270,6 +286,8 @@ class ModelConfig:
             _fail("type_vocab_size", self.type_vocab_size, "must be >= 0 (0 disables token types)")
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"choose one of {DTYPES}")
+        if self.remat not in REMAT_POLICIES:
+            _fail("remat", self.remat, f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
 
     # ------------------------------------------------------------------ conversion
     @classmethod

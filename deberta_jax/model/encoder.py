@@ -37,6 +37,11 @@ ACTIVATIONS = {
 }
 
 
+# What `jax.checkpoint` keeps for the backward pass under each `ModelConfig.remat` ("full": nothing but the input).
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_saveable,
+                   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 class Embeddings(nnx.Module):
     """Word (+ absolute position when `position_biased_input`) (+ token type), LayerNorm, dropout.
 
@@ -157,10 +162,34 @@ class Encoder(nnx.Module):
                                rel_embeddings=rel_embeddings, relative=relative)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:
-        """Run the first `num_layers` layers (all by default)."""
-        for layer in self.layers[: self.cfg.num_layers if num_layers is None else num_layers]:
-            hidden = layer(hidden, key_mask, ctx, rngs=rngs)
+        """Run the first `num_layers` layers (all by default), as a loop or a `lax.scan` (`cfg.scan_layers`),
+        each rematerialized under `cfg.remat`.
+
+        Layer l draws its dropout from `fold_in(key, l)`, `key` one draw of `rngs`' dropout stream, so the loop
+        and the scan drop the same elements.
+        """
+        layers = list(self.layers[: self.cfg.num_layers if num_layers is None else num_layers])
+        if not layers:
+            return hidden
+        apply = _layer_function(self.cfg, nnx.graphdef(layers[0]), key_mask, ctx)
+        keys = None if rngs is None else jax.vmap(jax.random.fold_in, (None, 0))(rngs.dropout(), jnp.arange(len(layers)))
+        if self.cfg.scan_layers:
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+            hidden, _ = jax.lax.scan(lambda h, xs: (apply(xs[0], h, xs[1]), None), hidden, (stacked, keys))
+            return hidden
+        for index, layer in enumerate(layers):
+            hidden = apply(nnx.state(layer), hidden, None if keys is None else keys[index])
         return hidden
+
+
+def _layer_function(cfg: ModelConfig, graphdef: nnx.GraphDef, key_mask, ctx: PositionContext):
+    """`apply(layer_state, hidden, dropout_key) -> hidden`: one encoder layer as a pure function of its
+    parameters, rematerialized under `cfg.remat` (`jax.checkpoint` with the named policy)."""
+    def apply(state, hidden, key):
+        return nnx.merge(graphdef, state)(hidden, key_mask, ctx, rngs=None if key is None else nnx.Rngs(dropout=key))
+    if cfg.remat == "none":
+        return apply
+    return jax.checkpoint(apply, policy=_REMAT_POLICIES[cfg.remat])
 
 
 class MaskedLM(nnx.Module):
@@ -205,10 +234,17 @@ class MaskedLM(nnx.Module):
         return logits + self.head_bias[...]
 
     def head_at(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
-        """Logits `[K, vocab]` at the flat positions `positions` `[K]` of `hidden` `[B, N, hidden]`:
-        training and evaluation score only the masked positions, skipping most of the vocabulary
-        projection, the largest matmul of a small model."""
-        return self.head(hidden.reshape(-1, hidden.shape[-1])[positions][None])[0]
+        """Logits `[K, vocab]` at the flat positions `positions` `[K]` of `hidden` `[B, N, hidden]`, or `[G, K, vocab]`
+        for positions `[G, K]` counted within each of G equal groups of consecutive rows.
+
+        Training and evaluation score only the masked positions, skipping most of the vocabulary projection, the
+        largest matmul of a small model. Groups let a batch split over G devices pick and score its positions on
+        each device: positions in the flat global batch would make every device score all of them.
+        """
+        groups = 1 if positions.ndim == 1 else positions.shape[0]
+        rows = hidden.reshape(groups, -1, hidden.shape[-1])
+        picked = jnp.take_along_axis(rows, positions.reshape(groups, -1, 1), axis=1)
+        return self.head(picked).reshape(*positions.shape, -1)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None) -> jax.Array:
         """MLM logits `[B, N, vocab]`; dropout only when `rngs` is given."""
@@ -221,8 +257,8 @@ class MaskedLM(nnx.Module):
 
 def with_options(model: MaskedLM, **fields) -> MaskedLM:
     """`model`'s parameters under its config with `fields` replaced: fields that change how the parameters are
-    used, not what they are (`attention_kernel`, `attention_block_size`, `absolute_position_policy`,
-    `clamp_relative_positions`), e.g. to evaluate a trained model past its training length. The parameters are
+    used, not what they are (`config.COMPUTATION_FIELDS`, `absolute_position_policy`, `clamp_relative_positions`),
+    e.g. to evaluate a trained model past its training length. The parameters are
     shared, not copied; a field that would change them raises ValueError."""
     cfg = dataclasses.replace(model.cfg, **fields)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(params=0))))
@@ -230,7 +266,8 @@ def with_options(model: MaskedLM, **fields) -> MaskedLM:
     if jax.tree.structure(abstract) != jax.tree.structure(state) or any(
             a.shape != b.shape for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state))):
         raise ValueError(f"with_options({', '.join(sorted(fields))}) changes the model's parameters; only fields "
-                         "that leave them as they are can be replaced (kernel, block size, position policy, clamp)")
+                         "that leave them as they are can be replaced (kernel, block size, remat, layer scan, position "
+                         "policy, clamp)")
     return nnx.merge(graphdef, state)
 
 def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):

@@ -25,21 +25,26 @@ from deberta_jax.train.sharding import sum_across_processes
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-def make_scorer(model) -> Scorer:
-    """A jitted `(ids, mask, positions, labels) -> (nll, correct)` for the flat positions `positions`
-    of the `[B, N]` batch (their `labels` alike); compiles once per batch shape and count.
+def score_function(graphdef: nnx.GraphDef):
+    """The pure `(state, ids, mask, positions, labels) -> (nll, correct)` that `make_scorer` jits: the length
+    study's forward pass (`deberta_jax.aot` compiles it for TPU slices).
 
-    Only those positions go through the MLM head (`MaskedLM.head_at`, as in training): evaluation
-    scores about 15% of positions (chunked) or far fewer (fixed-target).
+    Only the flat positions `positions` of the `[B, N]` batch go through the MLM head (`MaskedLM.head_at`, as in
+    training): evaluation scores about 15% of positions (chunked) or far fewer (fixed-target).
     """
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
     def score(state, ids, mask, positions, labels):
         model = nnx.merge(graphdef, state)
         logits = model.head_at(model.encode(ids, mask), positions)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # as in training
         return nll, jnp.argmax(logits, axis=-1) == labels
+    return score
+
+
+def make_scorer(model) -> Scorer:
+    """`score_function` of `model`, jitted, as a function of numpy arrays; compiles once per batch shape and
+    target count."""
+    graphdef, state = nnx.split(model)
+    score = jax.jit(score_function(graphdef))
 
     def run(ids, mask, positions, labels):
         nll, correct = score(state, ids, mask, positions, labels)

@@ -18,6 +18,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
@@ -37,17 +38,29 @@ def initialize_distributed(requested: bool) -> None:
     jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))
 
 
-def make_mesh(fsdp: int = 1) -> Mesh:
-    """A `(devices / fsdp, fsdp)` mesh over every device of every process.
+def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
+    """A `(devices / fsdp, fsdp)` mesh over `devices` (default: every device of every process).
 
     Auto axes let XLA propagate shardings from the jit boundary, so the step's reshapes of the
     batch (micro-batches) need no annotations. `fsdp` must divide the device count
-    (`train.validation.validate` checks it first, naming the config field).
+    (`train.validation.validate` checks it first, naming the config field). On several TPU slices
+    (multi-slice, devices with a `slice_index`) the fsdp axis stays inside a slice, on the fast
+    inter-chip links, and the data axis spans the slices over the data-center network, which then
+    carries only the gradient reduction.
     """
-    count = jax.device_count()
+    devices = jax.devices() if devices is None else list(devices)
+    count = len(devices)
     if fsdp < 1 or count % fsdp:
         raise ValueError(f"fsdp={fsdp} must be a positive divisor of the device count {count}")
-    return jax.make_mesh((count // fsdp, fsdp), (DATA_AXIS, FSDP_AXIS), axis_types=(AxisType.Auto,) * 2)
+    axis_types = (AxisType.Auto,) * 2
+    num_slices = len({getattr(device, "slice_index", 0) for device in devices})
+    if num_slices > 1:
+        per_slice = count // num_slices
+        if per_slice % fsdp:
+            raise ValueError(f"fsdp={fsdp} must divide the {per_slice} devices of one slice")
+        grid = mesh_utils.create_hybrid_device_mesh((per_slice // fsdp, fsdp), (num_slices, 1), devices)
+        return Mesh(grid, (DATA_AXIS, FSDP_AXIS), axis_types=axis_types)
+    return jax.make_mesh((count // fsdp, fsdp), (DATA_AXIS, FSDP_AXIS), axis_types=axis_types, devices=devices)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -62,19 +62,22 @@ def prediction_budget(num_tokens: int, mask_prob: float) -> int:
     return min(num_tokens, math.ceil(mean + 8 * math.sqrt(2 * mean) + 8))
 
 
-def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rngs: nnx.Rngs | None = None
-                   ) -> dict[str, jax.Array]:
+def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rngs: nnx.Rngs | None = None,
+                   groups: int = 1) -> dict[str, jax.Array]:
     """Sums over the masked positions: cross-entropy, correct predictions, their count, and `dropped`.
 
     Sums, not means, so micro-batches, devices and evaluation batches combine exactly: the loss is
     `loss_sum / count` once everything is added up. The head runs on the `budget` highest-weight
-    positions only (every masked one, while the batch is within budget).
+    positions of each of `groups` equal groups of consecutive rows (every masked one, while each group is
+    within budget). With one group per device of the batch axis, each device scores its own rows: one global
+    group would make the compiler gather every masked position to every device and score them all there.
     """
     hidden = model.encode(batch["input_ids"], batch["attention_mask"], rngs=rngs)
-    weights = jnp.asarray(batch["weights"]).reshape(-1)
+    weights = jnp.asarray(batch["weights"]).reshape(groups, -1)
     _, positions = jax.lax.top_k(weights, budget)
     logits = model.head_at(hidden, positions)
-    labels, kept = jnp.asarray(batch["labels"]).reshape(-1)[positions], weights[positions]
+    labels = jnp.take_along_axis(jnp.asarray(batch["labels"]).reshape(groups, -1), positions, axis=1)
+    kept = jnp.take_along_axis(weights, positions, axis=1)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return dict(loss_sum=jnp.sum(cross_entropy * kept), correct_sum=jnp.sum(correct * kept), count=jnp.sum(kept),
@@ -82,18 +85,21 @@ def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rn
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, *, seed: int, grad_accum_steps: int, mask_prob: float):
+                    schedule: optax.Schedule, *, seed: int, grad_accum_steps: int, mask_prob: float,
+                    head_groups: int = 1):
     """`train_step(state, batch) -> (state, metrics)`: one optimizer update on one global batch.
 
     With `grad_accum_steps = k` the batch is processed as k micro-batches in a `lax.scan` that adds
     up gradients of the *summed* loss; dividing once by the total number of masked tokens gives
     exactly the gradient of the whole batch's mean loss (dropout aside), with one update per step.
     Micro-batch j takes rows j, j+k, j+2k, ... so each device's rows stay on that device.
-    Dropout for micro-batch j uses `fold_in(fold_in(key(seed), step), j)`.
+    Dropout for micro-batch j uses `fold_in(fold_in(key(seed), step), j)`. `head_groups` is the number of
+    devices the batch is split over (`masked_lm_sums`).
     """
     def summed_loss(params, micro_batch, key):
-        budget = prediction_budget(micro_batch["input_ids"].size, mask_prob)
-        sums = masked_lm_sums(nnx.merge(graphdef, params), micro_batch, budget, rngs=nnx.Rngs(dropout=key))
+        budget = prediction_budget(micro_batch["input_ids"].size // head_groups, mask_prob)
+        sums = masked_lm_sums(nnx.merge(graphdef, params), micro_batch, budget, rngs=nnx.Rngs(dropout=key),
+                              groups=head_groups)
         return sums["loss_sum"], sums
 
     grad_fn = jax.grad(summed_loss, has_aux=True)
@@ -132,9 +138,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, mask_prob: float):
-    """`eval_step(params, batch) -> sums`: deterministic (no dropout) masked-LM sums of one batch."""
+def make_eval_step(graphdef: nnx.GraphDef, *, mask_prob: float, head_groups: int = 1):
+    """`eval_step(params, batch) -> sums`: deterministic (no dropout) masked-LM sums of one batch, its rows
+    in `head_groups` groups (`masked_lm_sums`)."""
     def eval_step(params: Params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        budget = prediction_budget(batch["input_ids"].size, mask_prob)
-        return masked_lm_sums(nnx.merge(graphdef, params), batch, budget)
+        budget = prediction_budget(batch["input_ids"].size // head_groups, mask_prob)
+        return masked_lm_sums(nnx.merge(graphdef, params), batch, budget, groups=head_groups)
     return eval_step

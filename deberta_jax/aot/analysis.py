@@ -1,0 +1,219 @@
+"""What a compiled program costs on a chip: memory per chip, FLOPs and bytes, a roofline step time and MFU.
+
+Everything here reads the compiled executable (`memory_analysis()`, `cost_analysis()`, the optimized HLO) except
+`model_flops`, the FLOPs the model needs by its own arithmetic, which MFU divides by (as PaLM's appendix B
+defines it: recomputation under remat is work the chip does but not work the model needs).
+
+The roofline step time is the longest of three lower bounds, each a resource used at its published peak:
+compute (the program's FLOPs at the chip's bfloat16 peak), memory (its HBM bytes at the chip's bandwidth) and
+inter-chip traffic (the bytes of its collectives at the chip's ICI bandwidth). XLA's cost analysis counts the body
+of a `while` loop once, and under wide FSDP the TPU compiler turns all-gathered matmuls into loops over the shards
+(collective matmuls, "windowed einsums"): on v5e:4x4 with fsdp=16 it reports a third of BERT-base's forward FLOPs.
+The compute bound therefore uses the larger of XLA's count and the model's own (`model_flops` per chip), and the
+loops are counted (`ProgramCost.loops`) so a report can say when bytes, too, are undercounted. A real step is
+slower: gathers and
+other element-wise work run on the vector unit, not the matrix unit the peak is quoted for; collectives overlap
+compute only in part; the host must feed the input in time; and float32 matmuls run below the bfloat16 peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from deberta_jax.aot.chips import GIB, Chip
+from deberta_jax.model import positions
+from deberta_jax.model.config import ModelConfig
+
+# Collectives of the optimized HLO and whether their result is a (operand, output) tuple (async starts).
+_COLLECTIVES = {"all-gather": False, "all-reduce": False, "reduce-scatter": False, "all-to-all": False,
+                "collective-permute": False, "all-gather-start": True, "all-reduce-start": True,
+                "collective-permute-start": True}
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+_INSTRUCTION = re.compile(r"=\s*(\(.*?\)|\S+)\s+([\w-]+)\(")
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """One compiled program on one chip (every figure per chip; the program is SPMD, the same on each)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs written into donated arguments: counted once
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    collective_bytes: int
+    gathers: int  # gather instructions in the optimized HLO (fusions included)
+    loops: int  # while loops in the optimized HLO, whose bodies the cost analysis counts once
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Peak HBM the program needs: arguments, outputs not aliased to them, temporaries and code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
+def _array_bytes(text: str) -> list[int]:
+    sizes = []
+    for dtype, dims in _ARRAY.findall(text):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        sizes.append(count * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def hlo_census(hlo_text: str) -> tuple[int, int, int]:
+    """(gather instructions, bytes produced by collectives, while loops) in an optimized HLO module's text."""
+    gathers = collective = loops = 0
+    for match in _INSTRUCTION.finditer(hlo_text):
+        result, opcode = match.groups()
+        if opcode == "gather":
+            gathers += 1
+        elif opcode == "while":
+            loops += 1
+        elif opcode in _COLLECTIVES:
+            sizes = _array_bytes(result)
+            collective += (max(sizes) if _COLLECTIVES[opcode] else sum(sizes)) if sizes else 0
+    return gathers, collective, loops
+
+
+def program_cost(compiled) -> ProgramCost:
+    """The per-chip figures of a compiled executable (`jax.jit(f).lower(...).compile()`)."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
+    gathers, collective, loops = hlo_census(compiled.as_text())
+    return ProgramCost(
+        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes), flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)), collective_bytes=collective, gathers=gathers,
+        loops=loops)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutOfMemory:
+    """libtpu's refusal of a program that does not fit: what it needed and what a chip offers it."""
+
+    what: str  # e.g. "HLO temporaries"
+    required_bytes: int
+    available_bytes: int
+
+
+_OOM = re.compile(r"memory required for ([\w\s]+?) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def out_of_memory(message: str) -> OutOfMemory | None:
+    """The shortfall libtpu's compile error states ("the total memory required for HLO temporaries (27.10G)
+    exceeds available HBM (15.75G)"), or None for any other error."""
+    match = _OOM.search(message)
+    if not match:
+        return None
+    what, need, need_unit, have, have_unit = match.groups()
+    return OutOfMemory(what.strip(), int(float(need) * _UNITS[need_unit]), int(float(have) * _UNITS[have_unit]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    compute_s: float
+    memory_s: float
+    ici_s: float  # 0 when the chip's ICI bandwidth is not published
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s, self.ici_s)
+
+    @property
+    def bound(self) -> str:
+        """Which resource sets the roofline: compute, memory or ici."""
+        return max((self.compute_s, "compute"), (self.memory_s, "memory"), (self.ici_s, "ici"))[1]
+
+
+def roofline(cost: ProgramCost, chip: Chip, model_flops_per_chip: float) -> Roofline:
+    """The three bounds of one chip's step; compute from the larger of XLA's FLOPs and the model's own."""
+    ici = cost.collective_bytes / chip.ici_bandwidth if chip.ici_bandwidth else 0.0
+    flops = max(cost.flops, model_flops_per_chip)
+    return Roofline(compute_s=flops / chip.peak_flops, memory_s=cost.bytes_accessed / chip.hbm_bandwidth, ici_s=ici)
+
+
+def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, train: bool) -> float:
+    """FLOPs the model needs for `rows` sequences of `seq_len` tokens with `predicted` positions through the MLM
+    head: matmuls only (2 per multiply-add), the backward pass twice the forward (`train`), no recomputation.
+
+    Per layer and sequence: the four projections and the MLP (`2N(4h^2 + 2hI)`), scores and context
+    (`4N^2 h`), and for DeBERTa each position term's product with the R reachable relative rows (`2NRh`) plus
+    the projection of those rows (`2Rh^2`, once per call). EMD runs the last layer `emd_layers` times instead
+    of once. The head: dense transform and tied decoder at the predicted positions (`2P(h^2 + hV)`).
+    """
+    h, n = cfg.hidden_size, seq_len
+    layers = cfg.num_layers - 1 + cfg.emd_layers if cfg.use_emd else cfg.num_layers
+    per_layer = rows * (2 * n * (4 * h * h + 2 * h * cfg.intermediate_size) + 4 * n * n * h)
+    if cfg.attention == "disentangled" and cfg.pos_att_type:
+        lo, hi = positions.relative_rows_used(n, n, position_buckets=cfg.position_buckets,
+                                              max_relative_positions=cfg.max_relative_positions,
+                                              clamp=cfg.clamp_relative_positions)
+        terms = len(cfg.pos_att_type)
+        per_layer += terms * (rows * 2 * n * (hi - lo) * h + 2 * (hi - lo) * h * h)
+    forward = layers * per_layer + 2 * predicted * (h * h + h * cfg.vocab_size)
+    return 3 * forward if train else forward
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """A program compiled for a slice, with what it means for a run."""
+
+    name: str
+    chip: Chip
+    num_chips: int
+    tokens: int  # tokens one call processes, over the whole slice
+    model_flops: float  # over the whole slice
+    compile_s: float
+    cost: ProgramCost | None = None
+    error: str | None = None  # why it did not compile
+    oom: OutOfMemory | None = None  # the error was libtpu finding it too large for a chip
+
+    @property
+    def roofline(self) -> Roofline:
+        return roofline(self.cost, self.chip, self.model_flops / self.num_chips)
+
+    @property
+    def fits(self) -> bool:
+        return self.cost is not None and self.cost.hbm_bytes <= self.chip.hbm_bytes
+
+    @property
+    def needed_bytes(self) -> int | None:
+        """HBM per chip the program needs (at least, when libtpu refused it: then only what its error names)."""
+        if self.cost is not None:
+            return self.cost.hbm_bytes
+        return None if self.oom is None else self.oom.required_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.roofline.seconds
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second at the roofline step time, over the slice's peak."""
+        return self.model_flops / (self.roofline.seconds * self.num_chips * self.chip.peak_flops)
+
+    def row(self) -> dict:
+        """The figures as one flat record (JSON, tables)."""
+        out = dict(program=self.name, chip=self.chip.name, chips=self.num_chips, compile_s=round(self.compile_s, 1))
+        if self.cost is None:
+            oom = {} if self.oom is None else dict(fits=False, needs_at_least_gib=self.oom.required_bytes / GIB,
+                                                   available_gib=self.oom.available_bytes / GIB)
+            return {**out, **oom, "error": self.error}
+        line = self.roofline
+        return {**out, "hbm_gib": self.cost.hbm_bytes / GIB, "capacity_gib": self.chip.hbm_bytes / GIB,
+                "fits": self.fits, "temp_gib": self.cost.temp_bytes / GIB,
+                "argument_gib": self.cost.argument_bytes / GIB, "tflop": self.cost.flops / 1e12,
+                "gb_accessed": self.cost.bytes_accessed / 1e9, "collective_gb": self.cost.collective_bytes / 1e9,
+                "model_tflop": self.model_flops / self.num_chips / 1e12, "gathers": self.cost.gathers,
+                "loops": self.cost.loops, "step_ms": line.seconds * 1e3, "bound": line.bound,
+                "compute_ms": line.compute_s * 1e3, "memory_ms": line.memory_s * 1e3, "ici_ms": line.ici_s * 1e3,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}

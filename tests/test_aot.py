@@ -1,0 +1,142 @@
+"""Compiling for TPU slices from the CPU (libtpu, no TPU): the micro train step fits a small v5e slice, and the
+command's figures are the compiled executable's own."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import bert, deberta
+from deberta_jax.aot import analysis, build
+from deberta_jax.aot.chips import CHIPS, GIB, TopologyError, parse_topology, tpu_slice
+from deberta_jax.train import programs as run_programs
+from deberta_jax.train import sharding, validation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def micro(family=deberta, **train):
+    config = family.get_config("micro")
+    config.train.update(train)
+    return config
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache():
+    """The suite's persistent compilation cache cannot hold executables for devices this process lacks."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+    return tpu_slice("v5e:2x2")
+
+
+def test_topology_names():
+    assert parse_topology("v5p:2x2x4") == (CHIPS["v5p"], (2, 2, 4))
+    with pytest.raises(TopologyError, match="3-D chip grid"):
+        parse_topology("v4:4x4")
+    with pytest.raises(TopologyError, match="GENERATION:GRID"):
+        parse_topology("v7x:2x2")
+
+
+@pytest.mark.slow
+def test_micro_train_step_fits_and_reports_the_executables_memory(v5e_2x2):
+    config = micro(batch_size=16)
+    config.mesh.fsdp = 2
+    train, = build.compile_run(config, v5e_2x2, programs=["train"])
+    assert train.cost is not None and train.fits and train.num_chips == 4
+
+    # The same program compiled by hand, as train.py builds it: the report's bytes are its memory_analysis().
+    model_config = validation.validate(config, num_devices=4)
+    run = run_programs.build(config, model_config, sharding.make_mesh(2, v5e_2x2.devices))
+    state = run_programs.abstract_with_sharding(run.abstract_state, run.state_sharding)
+    compiled = run.train_step.lower(state, run_programs.abstract_batch(16, 32, run.batch_sharding)).compile()
+    memory = compiled.memory_analysis()
+    assert train.cost.temp_bytes == memory.temp_size_in_bytes
+    assert train.cost.argument_bytes == memory.argument_size_in_bytes
+    assert train.cost.alias_bytes == memory.alias_size_in_bytes > 0  # the state is donated
+    assert train.cost.hbm_bytes == (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                    - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+                                    + memory.generated_code_size_in_bytes)
+    assert train.cost.flops == compiled.cost_analysis()["flops"]
+    # FSDP: the parameters are all-gathered and the gradients reduce-scattered inside the step.
+    assert train.cost.collective_bytes > 0
+    assert 0 < train.mfu < 1 and train.roofline.seconds > 0
+
+
+@pytest.mark.slow
+def test_model_flops_match_the_compiled_matmuls(v5e_2x2):
+    """The analytic count MFU divides by agrees with XLA's count of the compiled forward (one chip, no remat):
+    a formula that forgot the position terms or the head would be off by far more than the 10% allowed for the
+    element-wise work XLA also counts."""
+    config = micro()
+    config.model.update(hidden_size=128, intermediate_size=512, num_heads=4)
+    model_config = validation.validate(config, num_devices=4)
+    report = build._compile_length_forward(model_config, "dense", 256, 4096, v5e_2x2)
+    assert report.cost is not None
+    assert 0.9 < report.cost.flops / report.model_flops < 1.1, (report.cost.flops, report.model_flops)
+
+
+@pytest.mark.slow
+def test_a_program_that_does_not_fit_names_the_knobs():
+    tpu = tpu_slice("v5e:1x1")
+    config = micro(bert, batch_size=2048)
+    config.data.seq_len = 512
+    train, = build.compile_run(config, tpu, programs=["train"])
+    assert not train.fits and train.oom is not None  # libtpu refuses it, naming what it needed
+    assert train.oom.required_bytes > train.oom.available_bytes > 15 * GIB
+    hints = build.fit_hints(train, config, tpu)
+    assert "GiB libtpu can use on a v5e chip" in hints[0]
+    assert any("--config.model.remat=dots_no_batch" in h for h in hints)
+    assert any("--config.train.grad_accum_steps=2" in h for h in hints)
+
+
+def test_hlo_census_counts_gathers_and_collective_bytes():
+    hlo = """
+  %gather.1 = f32[8,128]{1,0} gather(f32[64,128]{1,0} %p, s32[8,1]{1,0} %i), offset_dims={1}
+  %fusion.3 = bf16[4,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_gather
+  %gather.7 = bf16[2,2]{1,0} gather(bf16[4,2]{1,0} %q, s32[2,1]{1,0} %j)
+  %all-gather-start = (bf16[16,32]{1,0}, bf16[64,32]{1,0}) all-gather-start(bf16[16,32]{1,0} %w)
+  %reduce-scatter.2 = f32[16,32]{1,0} reduce-scatter(f32[64,32]{1,0} %g), dimensions={0}
+  %all-reduce.4 = (f32[], f32[10]{0}) all-reduce(f32[] %x, f32[10]{0} %y)
+  %while.9 = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %t), condition=%c, body=%b
+"""
+    gathers, collective, loops = analysis.hlo_census(hlo)
+    assert (gathers, loops) == (2, 1)
+    assert collective == 64 * 32 * 2 + 16 * 32 * 4 + (4 + 40)
+
+
+@pytest.mark.slow
+def test_command_prints_and_writes_the_figures(tmp_path):
+    out = tmp_path / "aot.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    result = subprocess.run(
+        [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/deberta.py:micro", "--topology", "v5e:2x2",
+         "--config.model.remat=full", "--length_kernels=blockwise", f"--out={out}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "deberta.py:micro model.remat=full on v5e:2x2 (4 chips" in result.stdout
+    rows = json.loads(out.read_text())
+    assert [r["program"] for r in rows] == ["train step", "eval step", "length forward 256 (blockwise)"]
+    assert all(r["fits"] and r["hbm_gib"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert f"{rows[0]['hbm_gib']:.2f} of 16 GiB (fits" in result.stdout
+
+
+def test_command_refuses_a_bad_topology_without_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/bert.py:micro", "--topology", "v5e:4x4x4"],
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "error: topology 'v5e:4x4x4': v5e slices are named by a 2-D chip grid" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_suite_runs_on_cpu_jax():
+    """libtpu is installed for these compiles; the suite itself must still run on the CPU backend."""
+    assert jax.default_backend() == "cpu"
