@@ -21,7 +21,8 @@ WIKITEXT_103 = "hf:wikitext:wikitext-103-raw-v1"
 
 # Shapes and recipe per size. `micro` is the runlocal-style preset for tests and smoke runs
 # (seconds on a laptop CPU); `tiny` trains on a 2-core CPU in minutes; `base` is BERT-base /
-# DeBERTa-base (12 x 768, 12 heads, 3072, length 512) with BERT's batch of 256 sequences.
+# DeBERTa-base (12 x 768, 12 heads, 3072, length 512) with BERT's batch of 256 sequences; `large` is BERT-large /
+# DeBERTa-large (24 x 1024, 16 heads, 4096) with the same recipe.
 SIZES = {
     "micro": dict(
         model=dict(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64, vocab_size=512),
@@ -37,6 +38,10 @@ SIZES = {
         log_every=100, eval_every=2_000, eval_batches=None, checkpoint_every=5_000),
     "base": dict(
         model=dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072, vocab_size=32768),
+        seq_len=512, batch_size=256, num_steps=1_000_000, learning_rate=1e-4, warmup_steps=10_000,
+        log_every=100, eval_every=10_000, eval_batches=None, checkpoint_every=10_000),
+    "large": dict(
+        model=dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096, vocab_size=32768),
         seq_len=512, batch_size=256, num_steps=1_000_000, learning_rate=1e-4, warmup_steps=10_000,
         log_every=100, eval_every=10_000, eval_batches=None, checkpoint_every=10_000),
 }

@@ -170,6 +170,20 @@ def test_resuming_with_another_model_is_refused(corpus, straight_run, tmp_path):
         train.train_and_evaluate(config, tmp_path / "run")
 
 
+def test_resuming_with_remat_and_scanned_layers_takes_the_same_step(corpus, straight_run, tmp_path):
+    """Remat and the layer scan change how the step is computed, not the parameters: a run resumes under them
+    (not refused as another model) and its next update matches the plain one."""
+    for name, fields in (("plain", {}), ("remat", dict(remat="full", scan_layers=True))):
+        shutil.copytree(straight_run, tmp_path / name)
+        config = micro_config(corpus, num_steps=STEPS + 1)
+        config.model.update(fields)
+        train.train_and_evaluate(config, tmp_path / name)
+    plain, remat = (restore_params(tmp_path / name) for name in ("plain", "remat"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), plain, remat)
+    before = restore_params(straight_run)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(before))) > 1e-4
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     config = micro_config(corpus, learning_rate=1e10, warmup_steps=0, checkpoint_every=1)
     with pytest.raises(train.NonFiniteError, match=r"non-finite training metrics at step (\d+)") as info:
