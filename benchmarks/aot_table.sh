@@ -44,4 +44,6 @@ remat() {
 aot v5e-deberta-base-512-scan v5e:4x4 16 configs/deberta.py:base --programs=train \
   --config.model.scan_layers=True &
 wait
-cat "$OUT"/*.md > "$OUT/table.md"
+{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
+  > "$OUT/table.md"
+rm "$OUT"/*-*.md "$OUT"/*.log  # the rows are in table.md, the figures in the JSON files

@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import bert, deberta  # noqa: E402
-from deberta_jax.model import positions  # noqa: E402
+from deberta_jax.aot import analysis  # noqa: E402
 from deberta_jax.train import optim, steps  # noqa: E402
 from deberta_jax.model.config import ModelConfig  # noqa: E402
 
@@ -53,7 +53,7 @@ MASK_PROB = 0.15
 
 
 def model_config(family: str, size: str, seq: int, trained_length: int | None, kernel: str, block_size: int,
-                 dropout: float | None = None) -> tuple[ModelConfig, object]:
+                 dropout: float | None = None, relative_terms: str = "auto") -> tuple[ModelConfig, object]:
     """The `configs/<family>.py:<size>` model trained at `trained_length` (default `seq`) and its train config.
 
     DeBERTa's relative table follows the training length (configs/deberta.py); BERT's absolute table
@@ -61,7 +61,8 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
     """
     config = FAMILIES[family].get_config(size)
     config.data.seq_len = trained_length or seq
-    model = dict(config.model.to_dict(), attention_kernel=kernel, attention_block_size=block_size)
+    model = dict(config.model.to_dict(), attention_kernel=kernel, attention_block_size=block_size,
+                 relative_terms=relative_terms)
     if dropout is not None:
         model.update(hidden_dropout=dropout, attention_dropout=dropout)
     model.update(max_position_embeddings=max(model["max_position_embeddings"], config.data.seq_len),
@@ -70,27 +71,14 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
 
 
 def model_flops_per_token(cfg: ModelConfig, seq: int, batch: int, head_everywhere: bool = False) -> float:
-    """Forward matmul FLOPs per token (2 per multiply-add), as the model's arithmetic defines them.
-
-    Per layer: Q, K, V and output projections (8 h^2), the MLP (4 h I), scores and weighted values
-    (4 N h); DeBERTa adds c2p and p2c against the R reachable relative rows (2 R h each) and the
-    projection of those rows (2 R h^2 per term and layer, once per batch). The MLM head (2 h^2 + 2 h V)
-    runs on the `prediction_budget` positions only, or with `head_everywhere` on every position, as
-    transformers' models compute it (the convention of the issue's "33 MFLOP per token" for BERT tiny
-    at 128: FLOPs that the loss does not need, so an MFU counted with them flatters the step).
+    """Forward matmul FLOPs per token (2 per multiply-add) as the model's arithmetic defines them
+    (`deberta_jax.aot.analysis.model_flops`), with the MLM head on the `prediction_budget` positions only, or with
+    `head_everywhere` on every position, as transformers' models compute it (the convention of the "33 MFLOP per
+    token" for BERT tiny at 128: FLOPs that the loss does not need, so an MFU counted with them flatters the step).
     Gathers, softmax and LayerNorm are not counted.
     """
-    h, n = cfg.hidden_size, seq
-    per_layer = 8 * h * h + 4 * h * cfg.intermediate_size + 4 * n * h
-    if cfg.attention == "disentangled":
-        lo, hi = positions.relative_rows_used(n, n, position_buckets=cfg.position_buckets,
-                                              max_relative_positions=cfg.max_relative_positions,
-                                              clamp=cfg.clamp_relative_positions)
-        terms = len(cfg.pos_att_type)
-        per_layer += terms * 2 * (hi - lo) * h + terms * 2 * (hi - lo) * h * h / (batch * n)
-    budget = batch * n if head_everywhere else steps.prediction_budget(batch * n, MASK_PROB)
-    head = (2 * h * h + 2 * h * cfg.vocab_size) * budget / (batch * n)
-    return cfg.num_layers * per_layer + head
+    predicted = batch * seq if head_everywhere else steps.prediction_budget(batch * seq, MASK_PROB)
+    return analysis.model_flops(cfg, batch, seq, predicted, train=False) / (batch * seq)
 
 
 def matmul_peak(n: int = 2048) -> Callable[[], float]:
@@ -201,6 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel", default="dense",
                         help="comma-separated: dense, blockwise, pallas (GPU; interpret mode elsewhere)")
     parser.add_argument("--block-size", type=int, default=512, help="keys per block of the blockwise kernel")
+    parser.add_argument("--relative-terms", default="auto",
+                        help="comma-separated: how the dense kernel computes DeBERTa's c2p / p2c (auto, gather, shift)")
     parser.add_argument("--trained-length", type=int, default=None,
                         help="length the model is configured as trained at (DeBERTa's relative table, BERT's "
                              "absolute table); default: --seq. Eval past training: e.g. --seq 8192 --trained-length 512")
@@ -216,11 +206,14 @@ def main(argv=None) -> None:
     rows, runs = [], {}  # runs: (row index, "" or "torch_") -> step function
     for family in args.model.split(","):
         for seq in map(int, args.seq.split(",")):
-            for kernel in args.kernel.split(","):
+            # Only the dense kernel's DeBERTa terms have two formulations.
+            for kernel, relative_terms in ((kernel, terms) for kernel in args.kernel.split(",") for terms in (
+                    args.relative_terms.split(",") if family == "deberta" and kernel == "dense" else ["auto"])):
                 cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size,
-                                                 args.dropout)
+                                                 args.dropout, relative_terms)
                 passes = 3 if args.mode == "train" else 1
                 row = dict(model=family, size=args.size, mode=args.mode, kernel=kernel, seq=seq, batch=args.batch,
+                           relative_terms=cfg.relative_terms_for(jax.default_backend()),
                            dropout=cfg.hidden_dropout,
                            model_flops_per_token=round(passes * model_flops_per_token(cfg, seq, args.batch)),
                            model_flops_per_token_head_everywhere=round(

@@ -210,10 +210,11 @@ def max_error(cfg: ModelConfig, n=LENGTH):
     return float(np.abs(ours - ref)[real].max())
 
 
+@pytest.mark.parametrize("relative_terms", ["gather", "shift"])
 @pytest.mark.parametrize("share_att_key", [True, False])
 @pytest.mark.parametrize("emd_layers", [1, 2])
-def test_emd_matches_official(emd_layers, share_att_key):
-    cfg = ModelConfig(**dict(BASE, emd_layers=emd_layers, share_att_key=share_att_key))
+def test_emd_matches_official(emd_layers, share_att_key, relative_terms):
+    cfg = ModelConfig(**dict(BASE, emd_layers=emd_layers, share_att_key=share_att_key, relative_terms=relative_terms))
     err = max_error(cfg)
     assert err <= TOL, f"max |diff| {err:.2e} at real tokens"
 

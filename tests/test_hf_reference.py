@@ -99,11 +99,14 @@ def _compare(tmp_path, torch_model, lengths, **load_kw):
         assert err <= TOL, f"length {n}: max |diff| {err:.2e} at real tokens"
 
 
+@pytest.mark.parametrize("relative_terms", ["gather", "shift"])
 @pytest.mark.parametrize("name", sorted(DEBERTA_CASES))
-def test_deberta_v2_matches_transformers(tmp_path, name):
+def test_deberta_v2_matches_transformers(tmp_path, name, relative_terms):
+    """Both ways of computing c2p / p2c (gathers on CPU, matrix products and a shift on TPU and GPU)."""
     config, lengths = DEBERTA_CASES[name]
     torch.manual_seed(0)
-    _compare(tmp_path, transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(**config)), lengths)
+    _compare(tmp_path, transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(**config)), lengths,
+             relative_terms=relative_terms)
 
 
 def test_bert_matches_transformers(tmp_path):

@@ -15,7 +15,7 @@ from deberta_jax.kernels import blockwise, dispatch
 from deberta_jax.kernels.dense import dense_attention
 from deberta_jax.kernels.pallas import pallas_attention
 from deberta_jax.kernels.scores import (NEG_INF, RelativeIndex, ScoreTerms, banded_relative_terms, relative_terms,
-                                        toeplitz)
+                                        shifted_relative_terms, skew, toeplitz)
 from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
@@ -92,6 +92,42 @@ def test_relative_terms_hand_written_gradient_equals_autodiff(terms):
     assert set(static) == set(terms)
     for name in terms:
         np.testing.assert_allclose(static[name], traced[name], atol=1e-5)
+
+
+def test_skew_lays_each_distance_under_its_pair():
+    n = 6
+    per_distance = np.arange(3 * n * (2 * n - 1), dtype=np.float32).reshape(3, n, 2 * n - 1)
+    want = np.stack([[per_distance[b, i, j - i + n - 1] for i in range(n) for j in range(n)] for b in range(3)])
+    np.testing.assert_array_equal(skew(jnp.asarray(per_distance)), want.reshape(3, n, n))
+
+
+@pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p",), ("p2c",)])
+@pytest.mark.parametrize("buckets,max_distance,clamp", [(8, 16, True), (8, 16, False), (0, 6, True), (0, 6, False),
+                                                        (4, 40, True)])
+def test_shifted_relative_terms_equal_the_gathers(terms, buckets, max_distance, clamp):
+    """The per-distance products and the shift give `relative_terms`' values and gradients (to float rounding) for
+    every bucket setting, both terms and each alone; 37 tokens reach past every table here."""
+    rel_index = positions.relative_index_by_distance(N, N, position_buckets=buckets,
+                                                     max_relative_positions=max_distance, clamp=clamp)
+    rows = int(rel_index.max()) + 1
+    rng = np.random.default_rng(5)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    q, k, pos_key, pos_query = normal(B, H, N, D), normal(B, H, N, D), normal(H, rows, D), normal(H, rows, D)
+    pos_key, pos_query = (pos_key if "c2p" in terms else None), (pos_query if "p2c" in terms else None)
+    cotangent = normal(B, H, N, N)
+
+    def shifted(q, k, pos_key, pos_query):
+        return shifted_relative_terms(q, k, pos_key, pos_query, rel_index)
+
+    def gathered(q, k, pos_key, pos_query):
+        c2p = None if pos_key is None else jnp.einsum("bhid,hrd->bhir", q, pos_key)
+        p2c = None if pos_query is None else jnp.einsum("bhjd,hrd->bhjr", k, pos_query)
+        return relative_terms(c2p, p2c, toeplitz(rel_index, np.arange(N), np.arange(N), N))
+
+    args = (q, k, pos_key, pos_query)
+    np.testing.assert_allclose(jax.jit(shifted)(*args), jax.jit(gathered)(*args), rtol=0, atol=1e-5)
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3))(*args)  # noqa: E731
+    assert_trees_close(grad(shifted), grad(gathered), atol=1e-4)  # sums of up to 37 * 37 products
 
 
 @pytest.mark.parametrize("clamp", [True, False])

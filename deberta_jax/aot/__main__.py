@@ -37,8 +37,8 @@ flags.DEFINE_enum("format", "text", ["text", "markdown"], "Per-program blocks, o
 flags.DEFINE_string("out", None, "Also write the figures to this JSON file.")
 FLAGS = flags.FLAGS
 
-MARKDOWN_HEADER = ("| config | slice | program | HBM / chip (GiB) | fits | TFLOP / chip | GB / chip | gathers | "
-                   "roofline (ms) | bound | tokens/s | MFU | compile (s) |\n"
+MARKDOWN_HEADER = ("| config | slice | program | HBM / chip (GiB) | fits | TFLOP / chip | GB / chip | gathers (largest, MB) "
+                   "| roofline (ms) | bound | tokens/s | MFU ceiling | compile (s) |\n"
                    "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
 
 
@@ -58,7 +58,7 @@ def describe(report: analysis.ProgramReport) -> str:
         f"temporaries {cost.temp_bytes / GIB:.2f}, outputs aliased to donated arguments {cost.alias_bytes / GIB:.2f})",
         f"  per chip      {cost.flops / 1e12:.3f} TFLOP by XLA's count, {report.model_flops / report.num_chips / 1e12:.3f} "
         f"by the model's; {cost.bytes_accessed / 1e9:.1f} GB accessed, {cost.collective_bytes / 1e9:.2f} GB of "
-        f"collectives, {cost.gathers} gathers in the optimized HLO"
+        f"collectives, {cost.gathers} gathers in the optimized HLO (largest {cost.largest_gather_bytes / 1e6:.1f} MB)"
         + (f"; {cost.loops} while loops, whose bodies XLA counts once" if cost.loops else ""),
         f"  roofline      {line.seconds * 1e3:.2f} ms ({line.bound}-bound: compute {line.compute_s * 1e3:.2f}, "
         f"HBM {line.memory_s * 1e3:.2f}, ICI {line.ici_s * 1e3:.2f} ms) -> {report.tokens_per_s:,.0f} tokens/s, "
@@ -74,7 +74,8 @@ def markdown_row(label: str, slice_name: str, report: analysis.ProgramReport) ->
                 f"| {report.compile_s:.0f} |")
     cost, line = report.cost, report.roofline
     return (f"| {label} | {slice_name} | {report.name} | {cost.hbm_bytes / GIB:.2f} | {'yes' if report.fits else 'no'} "
-            f"| {cost.flops / 1e12:.2f} | {cost.bytes_accessed / 1e9:.1f} | {cost.gathers} | {line.seconds * 1e3:.1f} "
+            f"| {max(cost.flops, report.model_flops / report.num_chips) / 1e12:.2f} | {cost.bytes_accessed / 1e9:.1f} "
+            f"| {cost.gathers} ({cost.largest_gather_bytes / 1e6:.1f}) | {line.seconds * 1e3:.1f} "
             f"| {line.bound} | {report.tokens_per_s:,.0f} | {report.mfu:.0%} | {report.compile_s:.0f} |")
 
 
@@ -99,7 +100,8 @@ def main(argv):
         print(f"{label} on {tpu.name} ({tpu.num_chips} chips; mesh data x fsdp = "
               f"{tpu.num_chips // config.mesh.fsdp} x {config.mesh.fsdp}); seq_len {config.data.seq_len}, global batch "
               f"{config.train.batch_size}, grad_accum_steps {config.train.grad_accum_steps}, dtype {model.dtype}, "
-              f"remat {model.remat}, scan_layers {model.scan_layers}, kernel {model.attention_kernel}")
+              f"remat {model.remat}, scan_layers {model.scan_layers}, kernel {model.attention_kernel}"
+              + (f", relative terms {model.relative_terms}" if model.attention == "disentangled" else ""))
         for report in reports:
             print(describe(report))
             for hint in build.fit_hints(report, config, tpu):

@@ -48,6 +48,7 @@ class ProgramCost:
     bytes_accessed: float
     collective_bytes: int
     gathers: int  # gather instructions in the optimized HLO (fusions included)
+    largest_gather_bytes: int  # the largest output among them: a [B, H, N, N] one is DeBERTa's gathers at work
     loops: int  # while loops in the optimized HLO, whose bodies the cost analysis counts once
 
     @property
@@ -66,19 +67,21 @@ def _array_bytes(text: str) -> list[int]:
     return sizes
 
 
-def hlo_census(hlo_text: str) -> tuple[int, int, int]:
-    """(gather instructions, bytes produced by collectives, while loops) in an optimized HLO module's text."""
-    gathers = collective = loops = 0
+def hlo_census(hlo_text: str) -> dict[str, int]:
+    """Gather instructions and the bytes of the largest one's output, bytes produced by collectives, and while
+    loops, in an optimized HLO module's text."""
+    gathers = largest_gather = collective = loops = 0
     for match in _INSTRUCTION.finditer(hlo_text):
         result, opcode = match.groups()
         if opcode == "gather":
             gathers += 1
+            largest_gather = max([largest_gather, *_array_bytes(result)])
         elif opcode == "while":
             loops += 1
         elif opcode in _COLLECTIVES:
             sizes = _array_bytes(result)
             collective += (max(sizes) if _COLLECTIVES[opcode] else sum(sizes)) if sizes else 0
-    return gathers, collective, loops
+    return dict(gathers=gathers, largest_gather_bytes=largest_gather, collective_bytes=collective, loops=loops)
 
 
 def program_cost(compiled) -> ProgramCost:
@@ -86,13 +89,12 @@ def program_cost(compiled) -> ProgramCost:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
-    gathers, collective, loops = hlo_census(compiled.as_text())
+    census = hlo_census(compiled.as_text())
     return ProgramCost(
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes), flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)), collective_bytes=collective, gathers=gathers,
-        loops=loops)
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)), **census)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +216,7 @@ class ProgramReport:
                 "argument_gib": self.cost.argument_bytes / GIB, "tflop": self.cost.flops / 1e12,
                 "gb_accessed": self.cost.bytes_accessed / 1e9, "collective_gb": self.cost.collective_bytes / 1e9,
                 "model_tflop": self.model_flops / self.num_chips / 1e12, "gathers": self.cost.gathers,
+                "largest_gather_mb": self.cost.largest_gather_bytes / 1e6,
                 "loops": self.cost.loops, "step_ms": line.seconds * 1e3, "bound": line.bound,
                 "compute_ms": line.compute_s * 1e3, "memory_ms": line.memory_s * 1e3, "ici_ms": line.ici_s * 1e3,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}

@@ -51,12 +51,19 @@ def length_forward_config(model_config: ModelConfig, kernel: str) -> ModelConfig
     return dataclasses.replace(model_config, attention_kernel=kernel, absolute_position_policy=policy)
 
 
+def model_config_for(config: config_dict.ConfigDict, tpu: TpuSlice) -> ModelConfig:
+    """The model `train.py` would build from `config` on `tpu`: validated for its chips, "auto" settings resolved
+    for a TPU rather than for this CPU."""
+    model_config = validation.validate(config, num_devices=tpu.num_chips)
+    return dataclasses.replace(model_config, relative_terms=model_config.relative_terms_for("tpu"))
+
+
 def compile_run(config: config_dict.ConfigDict, tpu: TpuSlice, *, programs: Sequence[str] = PROGRAMS,
                 length_multiple: int = 8, length_kernels: Sequence[str] = LENGTH_KERNELS,
                 tokens_per_batch: int = length_study.StudySettings.tokens_per_batch) -> list[analysis.ProgramReport]:
     """Compile `programs` of the run `config` describes for `tpu`; one report each (the length forward once per
     kernel). Raises `validation.ConfigError` for a config `train.py` would refuse on this slice."""
-    model_config = validation.validate(config, num_devices=tpu.num_chips)
+    model_config = model_config_for(config, tpu)
     mesh = sharding.make_mesh(config.mesh.fsdp, tpu.devices)
     run = run_programs.build(config, model_config, mesh)
     rows, seq_len, accum = config.train.batch_size, config.data.seq_len, config.train.grad_accum_steps

@@ -95,12 +95,16 @@ class ScoreTerms:
     c2p: jax.Array | None = None
     p2c: jax.Array | None = None
     bias: jax.Array | None = None
+    # Instead of c2p / p2c: the projected relative rows themselves, `[H, R, d]` position keys (c2p) and queries
+    # (p2c), for `shifted_relative_terms` (every query against every key, the dense kernel).
+    pos_key: jax.Array | None = None
+    pos_query: jax.Array | None = None
     relative: RelativeIndex | None = dataclasses.field(default=None, metadata=dict(static=True))
     key_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # Nk of the whole sequence
 
     @property
     def num_position_terms(self) -> int:
-        return (self.c2p is not None) + (self.p2c is not None)
+        return (self.c2p is not None or self.pos_key is not None) + (self.p2c is not None or self.pos_query is not None)
 
     @property
     def divisor(self) -> float:
@@ -120,7 +124,13 @@ class ScoreTerms:
         `key_positions` (numpy for all keys at once, traced for a block inside a loop)."""
         dot = jnp.einsum("bhid,bhjd->bhij", self.q, self.k)
         relative = 0.0
-        if self.relative is not None:
+        if self.relative is not None and (self.pos_key is not None or self.pos_query is not None):
+            if not (isinstance(key_positions, np.ndarray) and len(key_positions) == self.key_len == self.q.shape[-2]):
+                raise ValueError("position tables (ScoreTerms.pos_key / pos_query) score every query against every "
+                                 "key at once; a kernel that cuts keys into blocks needs the c2p / p2c products")
+            relative = shifted_relative_terms(self.q, self.k, self.pos_key, self.pos_query,
+                                              self.relative.by_distance)
+        elif self.relative is not None:
             relative = banded_relative_terms(self.c2p, self.p2c, self.relative.by_distance, key_positions,
                                              self.key_len)
         bias = None
@@ -196,6 +206,38 @@ def _relative_terms_static(c2p, p2c, index: np.ndarray) -> jax.Array:
 
     terms.defvjp(forward, backward)
     return terms(tables)
+
+
+def skew(per_distance: jax.Array) -> jax.Array:
+    """`[..., N, 2N - 1] -> [..., N, N]`, entry `[i, j]` = `per_distance[..., i, j - i + N - 1]`: each row shifted
+    left by `N - 1 - i`, by padding one column, flattening and re-cutting the rows one shorter (Transformer-XL's
+    relative shift). Pads, reshapes and slices: copies, no gather."""
+    *lead, n, width = per_distance.shape
+    assert width == 2 * n - 1, per_distance.shape
+    padded = jnp.pad(per_distance, [(0, 0)] * (len(lead) + 1) + [(0, 1)])
+    flat = padded.reshape(*lead, 2 * n * n)
+    return flat[..., n - 1: n - 1 + n * width].reshape(*lead, n, width)[..., :n]
+
+
+def shifted_relative_terms(q: jax.Array, k: jax.Array, pos_key: jax.Array | None, pos_query: jax.Array | None,
+                           rel_index: np.ndarray) -> jax.Array | float:
+    """DeBERTa's position terms `q_i.Kr[idx(i - j)] + k_j.Qr[idx(i - j)]` of every query against every key
+    (`[B, H, N, N]`, N queries and keys) as matrix-unit work and copies.
+
+    Each projected table (`[H, R, d]`) is first expanded to one row per distance `i - j` (`[H, 2N - 1, d]`: the
+    only gather, over the table, not the batch); queries (c2p) or keys (p2c) times those rows give the terms per
+    (token, distance), `[B, H, N, 2N - 1]`, which `skew` lays out by (query, key). This does twice the
+    multiply-adds of `relative_products` when R = N, and none of `relative_terms`' element gathers over
+    `[B, H, N, N]`, which a TPU runs on its vector unit rather than its matrix unit.
+    """
+    terms = 0.0
+    if pos_key is not None:  # row m of the expansion is distance N - 1 - m, so skew's [i, j] reads distance i - j
+        per_distance = jnp.einsum("bhid,hmd->bhim", q, pos_key[:, np.ascontiguousarray(rel_index[::-1]), :])
+        terms = terms + skew(per_distance)
+    if pos_query is not None:  # row p is distance p - (N - 1): skew's [j, i] reads distance i - j
+        per_distance = jnp.einsum("bhjd,hpd->bhjp", k, pos_query[:, rel_index, :])
+        terms = terms + jnp.swapaxes(skew(per_distance), -1, -2)
+    return terms
 
 
 def banded_relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, rel_index: np.ndarray,

@@ -117,10 +117,13 @@ class SelfAttention(nnx.Module):
         terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2])
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
-            terms = dataclasses.replace(
-                terms, relative=ctx.relative,
-                c2p=None if pos_k is None else relative_products(q, pos_k),
-                p2c=None if pos_q is None else relative_products(k, pos_q))
+            if cfg.attention_kernel == "dense" and cfg.relative_terms_for(jax.default_backend()) == "shift":
+                terms = dataclasses.replace(terms, relative=ctx.relative, pos_key=pos_k, pos_query=pos_q)
+            else:
+                terms = dataclasses.replace(
+                    terms, relative=ctx.relative,
+                    c2p=None if pos_k is None else relative_products(q, pos_k),
+                    p2c=None if pos_q is None else relative_products(k, pos_q))
         elif cfg.attention == "rope":
             ids = ctx.position_ids[:, None]  # [1 or B, 1, N] against [B, H, N, d]
             terms = dataclasses.replace(terms, q=positions.apply_rope(q, ids, cfg.rope_theta),

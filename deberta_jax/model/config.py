@@ -29,7 +29,11 @@ LAYER_NORM_PLACEMENTS = ("post", "pre")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # Fields that change how the parameters are computed with, not what they are: a checkpoint written under one
 # value loads under any other (`encoder.with_options`, resuming a run with another kernel or remat policy).
-COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan_layers")
+COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan_layers", "relative_terms")
+# How the dense kernel computes DeBERTa's c2p / p2c terms (`kernels.scores`): "gather" reads each (i, j) pair's
+# entry from the products with the reachable relative rows; "shift" multiplies by the rows expanded per distance and
+# shifts the result into place; "auto" is "shift" on TPU and GPU, "gather" on CPU (`relative_terms_for`).
+RELATIVE_TERMS = ("auto", "gather", "shift")
 
 
 class ConfigError(ValueError):
@@ -92,6 +96,10 @@ class ModelConfig:
     parameters, so XLA compiles one layer instead of `num_layers` (faster compiles of deep models). Parameters stay
     one subtree per layer either way, so checkpoints interchange between every setting.
 
+    `relative_terms` is how the dense kernel computes DeBERTa's c2p and p2c (`RELATIVE_TERMS`): the same values
+    to float rounding, by gathers or by matrix products and a relative shift. The model resolves "auto" for the
+    backend it is traced on (`relative_terms_for`); compiling for another target (`deberta_jax.aot`) sets it.
+
     `layer_norm_placement` is where each layer normalizes: "post" (BERT and DeBERTa as published, so
     their checkpoints load) normalizes after each residual add; "pre" (Xiong et al. 2020) normalizes each
     sub-layer's input and the final output, leaving the residual stream unnormalized, which trains
@@ -147,6 +155,7 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    relative_terms: str = "auto"
 
     def __post_init__(self):
         # Accept lists and "c2p|p2c" strings (transformers' spelling) but store a sorted tuple so
@@ -184,6 +193,14 @@ class ModelConfig:
     def trained_positions(self) -> int:
         """Absolute positions `0..trained_positions-1` that training reaches (where the policy starts)."""
         return self.random_position_max if self.randomized_positions else self.effective_trained_length
+
+    def relative_terms_for(self, backend: str) -> str:
+        """`relative_terms` resolved for a backend ("cpu", "gpu", "tpu"): "auto" is "gather" on CPU, where it is
+        the faster of the two (benchmarks/README.md), and "shift" elsewhere, where the gathers leave the matrix
+        unit idle. Only the dense kernel uses it; the blockwise kernels gather near the diagonal only."""
+        if self.relative_terms != "auto":
+            return self.relative_terms
+        return "gather" if backend == "cpu" else "shift"
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -286,6 +303,8 @@ class ModelConfig:
             _fail("type_vocab_size", self.type_vocab_size, "must be >= 0 (0 disables token types)")
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"choose one of {DTYPES}")
+        if self.relative_terms not in RELATIVE_TERMS:
+            _fail("relative_terms", self.relative_terms, f"choose one of {RELATIVE_TERMS}")
         if self.remat not in REMAT_POLICIES:
             _fail("remat", self.remat, f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
 
