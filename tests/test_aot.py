@@ -96,6 +96,15 @@ def test_a_program_that_does_not_fit_names_the_knobs():
     assert any("--config.train.grad_accum_steps=2" in h for h in hints)
 
 
+def test_multi_slice_mesh_keeps_fsdp_inside_a_slice():
+    """FSDP's all-gathers stay on a slice's inter-chip links; only the data axis crosses slices."""
+    tpu = tpu_slice("v5e:2x2", num_slices=2)
+    assert tpu.num_chips == 8 and tpu.name == "v5e:2x2 x 2 slices"
+    mesh = sharding.make_mesh(4, tpu.devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
+    assert [{device.slice_index for device in group} for group in mesh.devices] == [{0}, {1}]
+
+
 def test_hlo_census_counts_gathers_and_collective_bytes():
     hlo = """
   %gather.1 = f32[8,128]{1,0} gather(f32[64,128]{1,0} %p, s32[8,1]{1,0} %i), offset_dims={1}

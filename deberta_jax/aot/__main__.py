@@ -101,7 +101,8 @@ def main(argv):
               f"{tpu.num_chips // config.mesh.fsdp} x {config.mesh.fsdp}); seq_len {config.data.seq_len}, global batch "
               f"{config.train.batch_size}, grad_accum_steps {config.train.grad_accum_steps}, dtype {model.dtype}, "
               f"remat {model.remat}, scan_layers {model.scan_layers}, kernel {model.attention_kernel}"
-              + (f", relative terms {model.relative_terms}" if model.attention == "disentangled" else ""))
+              + (f", relative terms {build.model_config_for(config, tpu).relative_terms}"
+                 if model.attention == "disentangled" else ""))
         for report in reports:
             print(describe(report))
             for hint in build.fit_hints(report, config, tpu):
