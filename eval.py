@@ -19,7 +19,9 @@ between them and add their sums, so the records are those of a single process; p
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from typing import NoReturn
 
 import jax
 from absl import app, flags
@@ -85,6 +87,25 @@ def load_models(workdirs, checkpoints, step, **overrides) -> list[length_study.E
             + [length_study.load_hf_checkpoint(c, **overrides) for c in checkpoints])
 
 
+def usage_error(message: str) -> NoReturn:
+    """Stops with `message` on one line: a problem with the command, not a bug, so no traceback and no help text
+    (`--help` lists the flags)."""
+    sys.exit(f"eval.py: {message}")
+
+
+def dataset_specs(data_files: list[str]) -> dict[str, str]:
+    """`{label: spec}` for every `--data_files`; two specs whose labels agree would share one row of every table,
+    so they are refused, naming both."""
+    specs = {}
+    for spec in data_files:
+        name = dataset_name(spec)
+        if name in specs:
+            usage_error(f"--data_files {specs[name]!r} and {spec!r} would both be reported as {name!r} (a file's name "
+                        "and its folder's); give one of them another file or folder name")
+        specs[name] = spec
+    return specs
+
+
 def check_writable(out: str) -> None:
     """Fails at start-up, not after the whole evaluation, when --out cannot be written."""
     try:
@@ -92,7 +113,7 @@ def check_writable(out: str) -> None:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as err:
-        raise app.UsageError(f"--out={out} is not writable ({err.strerror}); choose another directory") from None
+        usage_error(f"--out={out} is not writable ({err.strerror}); choose another directory")
 
 
 def _ints(flag: str) -> tuple[int, ...]:
@@ -100,7 +121,7 @@ def _ints(flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in FLAGS[flag].value)
     except ValueError:
-        raise app.UsageError(f"--{flag} takes integers, got {FLAGS[flag].value}") from None
+        usage_error(f"--{flag} takes integers, got {FLAGS[flag].value}")
 
 
 def main(argv):
@@ -108,13 +129,13 @@ def main(argv):
     sharding.initialize_distributed(FLAGS.multiprocess)
     is_main = jax.process_index() == 0
     if not FLAGS.workdir and not FLAGS.hf_checkpoint:
-        raise app.UsageError("give at least one --workdir or --hf_checkpoint")
+        usage_error("give at least one --workdir or --hf_checkpoint")
     if not FLAGS.data_files:
-        raise app.UsageError("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
+        usage_error("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
     try:
         step = checkpoint.parse_step(FLAGS.checkpoint)
     except ValueError as err:
-        raise app.UsageError(str(err)) from None
+        usage_error(str(err))
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
         protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
@@ -122,22 +143,28 @@ def main(argv):
         bootstrap=FLAGS.bootstrap)
     for length in settings.lengths:
         if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:
-            raise app.UsageError(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
+            usage_error(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
                                  f"{packing.MAX_SEQ_LEN}] tokens, [CLS] and [SEP] included")
     if is_main:
         check_writable(FLAGS.out)
-    specs = {dataset_name(spec): spec for spec in FLAGS.data_files}
+    specs = dataset_specs(FLAGS.data_files)
     datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
                  if FLAGS[name].value is not None}
-    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
+    try:
+        models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
+    except checkpoint.DamagedCheckpointError as err:
+        usage_error(str(err))
     references = []
     if FLAGS.unigram and FLAGS.workdir:
         references.append(length_study.unigram_reference(models[0]))
     if FLAGS.oracle:
         references += length_study.oracle_references(models[0], specs)
     models += references
-    records, skipped = length_study.run_study(models, datasets, settings)
+    try:
+        records, skipped = length_study.run_study(models, datasets, settings)
+    except length_study.EvalTextError as err:
+        usage_error(str(err))
     note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
     if not is_main:
         return

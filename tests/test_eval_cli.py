@@ -49,6 +49,33 @@ def test_a_bad_checkpoint_flag_names_the_flag(workdir, tmp_path):
     result = eval_py("--workdir", str(workdir), "--data_files", "synthetic:markov:test", "--checkpoint", "abc",
                      "--out", str(tmp_path))
     assert result.returncode != 0 and "--checkpoint='abc'" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1  # no help text either
+
+
+def test_two_eval_files_with_one_label_are_refused(workdir, tmp_path):
+    """`A/x/valid.txt` and `B/x/valid.txt` would both be `x/valid`: one would silently replace the other."""
+    paths = []
+    for root in ("A", "B"):
+        path = tmp_path / root / "x" / "valid.txt"
+        path.parent.mkdir(parents=True)
+        path.write_text("some words here\n" * 50)
+        paths.append(str(path))
+    result = eval_py("--workdir", str(workdir), "--data_files", paths[0], "--data_files", paths[1],
+                     "--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"--data_files '{paths[0]}' and '{paths[1]}' would both be reported as 'x/valid'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "results.json").exists()
+
+
+def test_eval_text_without_targets_is_refused_naming_it(workdir, tmp_path):
+    """Targets are drawn for 15% of positions; one short word draws none, and a loss over 0 tokens is no result."""
+    text = tmp_path / "tiny" / "valid.txt"
+    text.parent.mkdir()
+    text.write_text("a\n")
+    result = eval_py("--workdir", str(workdir), "--data_files", str(text), "--lengths", "16", "--protocols",
+                     "chunked", "--nounigram", "--nooracle", "--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "tiny/valid: the text yields no masked targets" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_curves_report_finds_where_runs_leave_the_plateau(workdir, tmp_path):

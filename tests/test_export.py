@@ -206,6 +206,13 @@ def test_a_refused_model_writes_nothing_and_every_reason_is_named(tmp_path, toke
     assert not (tmp_path / "export").exists()
 
 
+def test_every_exported_file_gets_the_same_permissions(tmp_path, tokenizer):
+    """Readable by whoever may read config.json (the weights were once written 0600, unreadable to a team)."""
+    writer.export_model(random_model(tokenizer), tokenizer, tmp_path / "export")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "export").iterdir()}
+    assert len(set(modes.values())) == 1, modes
+
+
 def test_out_dir_with_other_files_is_refused(tmp_path, tokenizer):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileExistsError, match="pytorch_model.bin"):

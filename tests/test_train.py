@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,20 @@ def test_resuming_with_remat_and_scanned_layers_takes_the_same_step(corpus, stra
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), plain, remat)
     before = restore_params(straight_run)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(before))) > 1e-4
+
+
+def test_loading_a_checkpoint_with_nan_parameters_names_it(straight_run, tmp_path):
+    """A checkpoint saved with NaN weights (by a run that did not check them) would make every evaluation and
+    export NaN: loading it is refused, naming the step and the parameters."""
+    shutil.copytree(straight_run, tmp_path / "run")
+    params = jax.tree.map(lambda x: np.full_like(x, np.nan), restore_params(tmp_path / "run"))
+    manager = checkpoint.checkpoint_manager(tmp_path / "run", keep=10)
+    checkpoint.save(manager, SimpleNamespace(step=STEPS + 5, params=params, opt_state={"count": np.zeros(1)}))
+    manager.close()
+    with pytest.raises(checkpoint.DamagedCheckpointError,
+                       match=rf"checkpoint {STEPS + 5} in .* holds NaN or inf in \d+ parameter\(s\), e.g. \["):
+        checkpoint.load_workdir(tmp_path / "run")
+    checkpoint.load_workdir(tmp_path / "run", STEPS)  # the earlier step still loads
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):

@@ -37,7 +37,7 @@ def main(argv):
         with warnings.catch_warnings():  # the returned notes are logged below, without a source line
             warnings.simplefilter("ignore", hf.ExportWarning)
             notes = writer.export_workdir(FLAGS.workdir, FLAGS.out, step)
-    except (hf.ExportError, FileExistsError) as err:
+    except (hf.ExportError, FileExistsError, checkpoint.DamagedCheckpointError) as err:
         raise app.UsageError(str(err)) from None
     for note in notes:
         logging.warning("%s", note)

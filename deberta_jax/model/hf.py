@@ -440,5 +440,8 @@ def save(model: MaskedLM, path: str | os.PathLike, *, pad_token_id: int = 0) -> 
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
     # transformers refuses safetensors files whose metadata does not name their framework.
-    save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    weights = os.path.join(path, WEIGHTS_FILE)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # safetensors writes through a private (0600) temporary file: give the weights the mode config.json got.
+    os.chmod(weights, os.stat(os.path.join(path, CONFIG_FILE)).st_mode & 0o777)
     return notes

@@ -101,6 +101,10 @@ def oracle_references(em: EvalModel, datasets: dict[str, str]) -> list[EvalModel
             for name, spec in datasets.items() if synthetic.is_synthetic_spec(spec)]
 
 
+class EvalTextError(ValueError):
+    """An evaluation text the study cannot score as asked (empty of targets, shorter than a window)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
     multiples: tuple[int, ...] = DEFAULT_MULTIPLES
@@ -273,8 +277,12 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                                         corpus.special, settings.mask_seed)
                 corpora[key] = corpus
             corpus = corpora[key]
+            if not corpus.targets.any():
+                raise EvalTextError(
+                    f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss would "
+                    "be 0 over 0 tokens; give more evaluation text")
             if len(corpus.tokens) < max(lengths) - 2:
-                raise ValueError(
+                raise EvalTextError(
                     f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
                     f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
             resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)

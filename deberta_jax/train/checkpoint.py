@@ -308,4 +308,10 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
                                      ) from None
     restored = manager.restore(chosen, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     manager.close()
+    if not bool(_all_finite(restored.params)):  # a diverged run's save: every score and export would be NaN
+        leaves = jax.tree_util.tree_flatten_with_path(restored.params)[0]
+        bad = [jax.tree_util.keystr(path) for path, x in leaves if not np.isfinite(np.asarray(x)).all()]
+        others = sorted(set(checkpoint_manager(workdir, read_only=True).all_steps()) - {chosen})
+        raise DamagedCheckpointError(f"checkpoint {chosen} in {workdir} holds NaN or inf in {len(bad)} parameter(s), "
+                                     f"e.g. {bad[:3]}; load another step (available: {others})")
     return config, nnx.merge(graphdef, restored.params), tokenizer
