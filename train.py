@@ -68,7 +68,14 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
     resuming = own.is_file()
     sharding.sync_processes("tokenizer looked up")  # no process may see the file process 0 is about to write
     if resuming:
-        return tokenizer_lib.load_tokenizer(own)
+        try:
+            return tokenizer_lib.load_tokenizer(own)
+        except ValueError:  # load_tokenizer's hint (config.data.tokenizer) does not apply: resuming ignores it
+            raise validation.ConfigError(
+                f"{own} cannot be read (truncated, or not a tokenizers JSON), and the checkpoints in {workdir} were "
+                "trained with its token ids. "
+                f"Restore {checkpoint.TOKENIZER_FILE} from a copy of the workdir or an export of it "
+                "(python -m deberta_jax.export writes it), or train anew in another --workdir.") from None
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
     if synthetic.is_synthetic_spec(config.data.train_files):
@@ -97,6 +104,8 @@ def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
     computation = {f"model.{name}" for name in COMPUTATION_FIELDS}
     model_changes = {k: v for k, v in changes.items()
                      if (k.startswith("model.") and k not in computation) or k == "data." + VOCAB_REQUEST}
+    if "model.trained_length" in model_changes:  # derived, not settable: name the field the user changed
+        model_changes["data.seq_len"] = model_changes.pop("model.trained_length")
     if model_changes:
         raise validation.ConfigError(
             f"{workdir} holds checkpoints of another model; changed: "

@@ -17,8 +17,8 @@ aot() {  # aot NAME TOPOLOGY FSDP CONFIG ARGS...
   local name=$1 topology=$2 fsdp=$3 config=$4
   shift 4
   "$PY" -m deberta_jax.aot --config "$config" --topology "$topology" --config.model.dtype=bfloat16 \
-    --config.mesh.fsdp="$fsdp" --format markdown --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md"
-  echo "$name done"
+    --config.mesh.fsdp="$fsdp" --format markdown --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md" \
+    && { echo "$name done"; rm "$OUT/$name.log"; } || echo "$name FAILED: see $OUT/$name.log"
 }
 
 lane() {  # lane SLICE TOPOLOGY FSDP: every model at both lengths
@@ -27,7 +27,7 @@ lane() {  # lane SLICE TOPOLOGY FSDP: every model at both lengths
     for family in bert deberta; do
       aot "$slice-$family-$size-512" "$topology" "$fsdp" "configs/$family.py:$size" --programs=train,length
       aot "$slice-$family-$size-2048" "$topology" "$fsdp" "configs/$family.py:$size" --programs=train \
-        --config.data.seq_len=2048 --config.train.batch_size=64
+        --config.data.seq_len=2048 --config.model.max_position_embeddings=2048 --config.train.batch_size=64
     done
   done
 }
@@ -38,12 +38,14 @@ wait
 # What remat and layer scanning save (DeBERTa-base at 2,048 tokens does not fit v5e without remat).
 remat() {
   aot "v5e-deberta-base-2048-remat-$1" v5e:4x4 16 configs/deberta.py:base --programs=train \
-    --config.data.seq_len=2048 --config.train.batch_size=64 --config.model.remat="$1"
+    --config.data.seq_len=2048 --config.model.max_position_embeddings=2048 --config.train.batch_size=64 \
+    --config.model.remat="$1"
 }
 (remat dots_no_batch; remat full) &
 aot v5e-deberta-base-512-scan v5e:4x4 16 configs/deberta.py:base --programs=train \
   --config.model.scan_layers=True &
 wait
+aot v5e-deberta-base-512-2-slices v5e:4x4 16 configs/deberta.py:base --programs=train --num_slices 2
 { "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
   > "$OUT/table.md"
-rm "$OUT"/*-*.md "$OUT"/*.log  # the rows are in table.md, the figures in the JSON files
+rm "$OUT"/*-*.md  # the rows are in table.md, the figures in the JSON files

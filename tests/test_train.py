@@ -171,6 +171,24 @@ def test_resuming_with_another_model_is_refused(corpus, straight_run, tmp_path):
         train.train_and_evaluate(config, tmp_path / "run")
 
 
+def test_resuming_with_a_damaged_tokenizer_says_how_to_restore_it(corpus, straight_run, tmp_path):
+    shutil.copytree(straight_run, tmp_path / "run")
+    own = tmp_path / "run" / checkpoint.TOKENIZER_FILE
+    own.write_text(own.read_text()[:200])  # truncated
+    with pytest.raises(ValueError, match=r"were trained with its token ids\. Restore tokenizer.json") as info:
+        train.train_and_evaluate(micro_config(corpus, num_steps=STEPS + 1), tmp_path / "run")
+    assert "config.data.tokenizer" not in str(info.value)  # ignored on resume: not a fix
+
+
+def test_resuming_with_another_length_names_data_seq_len(corpus, straight_run, tmp_path):
+    shutil.copytree(straight_run, tmp_path / "run")
+    config = micro_config(corpus, num_steps=STEPS + 1)
+    config.data.seq_len = 2 * config.data.seq_len
+    with pytest.raises(ValueError, match=r"changed: .*config\.data\.seq_len 32 -> 64") as info:
+        train.train_and_evaluate(config, tmp_path / "run")
+    assert "trained_length" not in str(info.value)  # derived from seq_len: not a field the user can set
+
+
 def test_resuming_with_remat_and_scanned_layers_takes_the_same_step(corpus, straight_run, tmp_path):
     """Remat and the layer scan change how the step is computed, not the parameters: a run resumes under them
     (not refused as another model) and its next update matches the plain one."""
