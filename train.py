@@ -206,6 +206,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
         state = checkpoint.restore_newest_intact(manager, targets, workdir)
         logging.info("resuming from the checkpoint at step %d", int(state.step))
     if state is None:
+        checkpoint.refuse_to_start_over(workdir)
         state = programs.init()
     start_step = int(state.step)
     if is_main:

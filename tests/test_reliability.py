@@ -163,6 +163,13 @@ def test_every_checkpoint_damaged_is_an_error_not_a_silent_restart(cache, straig
         data.write_bytes(data.read_bytes()[::-1])
     with pytest.raises(checkpoint.DamagedCheckpointError, match="every checkpoint in .* was damaged"):
         train.train_and_evaluate(micro_config(cache), run)
+    # The same command again: the damaged checkpoints are set aside, and still no silent restart from step 0.
+    with pytest.raises(checkpoint.DamagedCheckpointError, match="has no intact checkpoint; .* move .* out of the"):
+        train.train_and_evaluate(micro_config(cache), run)
+    assert not any(checkpoint.checkpoint_manager(run, read_only=True).all_steps())
+    shutil.move(run / checkpoint.DAMAGED_DIR, tmp_path / "set-aside")  # the user's word: start over
+    train.train_and_evaluate(micro_config(cache), run)
+    assert checkpoint.checkpoint_manager(run, read_only=True).latest_step() == micro_config(cache).train.num_steps
 
 
 @pytest.mark.slow

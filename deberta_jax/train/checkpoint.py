@@ -207,6 +207,18 @@ def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainS
     return None
 
 
+def refuse_to_start_over(workdir: str | Path) -> None:
+    """Raises DamagedCheckpointError when `workdir` has no checkpoint left but damaged ones set aside: a run
+    whose every checkpoint was damaged must not restart from step 0 the next time the same command runs. The
+    user says otherwise by moving `DAMAGED_DIR` away."""
+    damaged = Path(workdir) / DAMAGED_DIR
+    if damaged.is_dir() and any(damaged.iterdir()):
+        raise DamagedCheckpointError(
+            f"{workdir} has no intact checkpoint; its damaged ones are in {damaged}. Restore checkpoints from a "
+            f"backup into {Path(workdir) / CHECKPOINT_DIR}, or, to start this run over from step 0, move {damaged} "
+            "out of the workdir.")
+
+
 def _quarantine(step_dir: Path, damaged_root: Path) -> None:
     damaged_root.mkdir(parents=True, exist_ok=True)
     target, n = damaged_root / step_dir.name, 1
