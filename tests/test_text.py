@@ -85,6 +85,27 @@ def test_non_utf8_file_names_byte_offset(tmp_path):
         load_documents(str(path))
 
 
+def test_utf16_file_gets_the_utf16_conversion(tmp_path):
+    path = write(tmp_path / "utf16.txt", "caf\u00e9 au lait\n".encode("utf-16"))
+    with pytest.raises(ValueError, match=rf"{path} is UTF-16 .*`iconv -f UTF-16 -t UTF-8 {path}"):
+        load_documents(str(path))
+
+
+def test_old_mac_line_endings_are_refused_not_read_as_one_document(tmp_path):
+    path = write(tmp_path / "mac.txt", b"first paragraph\r\rsecond paragraph\r\rthird\r")
+    with pytest.raises(ValueError, match=r"ends its lines with \"\\r\" alone .*`tr '\\r' '\\n' <"):
+        load_documents(str(path))
+    windows = write(tmp_path / "crlf.txt", b"first paragraph\r\n\r\nsecond paragraph\r\n")
+    assert load_documents(str(windows)) == ["first paragraph", "second paragraph"]
+
+
+def test_a_line_too_long_to_tokenize_is_refused_with_its_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "MAX_LINE_BYTES", 2**20)  # 1 MiB instead of 16: the same code path, faster
+    path = write(tmp_path / "one-line.txt", b"word " * 300_000)  # 1.5 MB, no newline
+    with pytest.raises(ValueError, match=rf"{path} has a line of more than 1 MiB starting at byte 0"):
+        load_documents(str(path))
+
+
 def test_parse_hf_spec():
     spec = "hf:wikitext:wikitext-103-raw-v1:validation"
     assert parse_hf_spec(spec) == ("wikitext", "wikitext-103-raw-v1", "validation")

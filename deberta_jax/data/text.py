@@ -35,6 +35,8 @@ HF_PREFIX = "hf:"
 LOCAL_FILES_EXAMPLE = "corpus/train.txt,more/*.txt"
 HUB_PROBE_TIMEOUT_S = 3.0
 HUB_BATCH_ROWS = 1000  # rows per read from a locally cached (memory-mapped) Hub dataset
+# The longest line `read_lines` accepts: a line is a document, and tokenizing one takes ~80x its size in memory.
+MAX_LINE_BYTES = 16 * 2**20
 
 # Top-level WikiText heading: exactly one "=" on each side (sections have "= =").
 _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
@@ -82,7 +84,9 @@ def _missing_message(spec: str, part: str, what: str) -> str:
 
 def read_lines(path: Path) -> Iterator[str]:
     """The lines of a UTF-8 text file, split at "\\n" only and read one at a time (memory does not grow with
-    the file); rejects undecodable bytes (naming the first), NUL bytes and files with no text.
+    the file); rejects undecodable bytes (naming the first, and UTF-16 by its byte-order mark), NUL bytes, lines
+    longer than `MAX_LINE_BYTES` (a document that large would take gigabytes to tokenize), old Mac files whose
+    lines end in "\\r" alone (which would otherwise be one document), and files with no text.
 
     The checks run as the lines are read, so a bad file fails after its good lines were yielded: callers that
     must not keep partial results (the packed-token cache) only commit once the whole file was read.
@@ -90,17 +94,20 @@ def read_lines(path: Path) -> Iterator[str]:
     offset = chars = 0  # bytes and characters before the current line
     has_text = False
     with open(path, "rb") as f:
-        for raw in f:  # binary lines end at b"\\n" alone, as str.split("\\n") would cut them
+        while raw := f.readline(MAX_LINE_BYTES + 1):  # lines end at b"\\n" alone, as str.split("\\n") cuts them
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ValueError(_long_line_message(path, offset, raw))
+            if raw.rstrip(b"\r\n").count(b"\r") > 1:  # line breaks inside the line: "\\r" alone ends lines
+                raise ValueError(f"{path} ends its lines with \"\\r\" alone (old Mac line endings), which would make "
+                                 f"it one document; convert it first, e.g. `tr '\\r' '\\n' < {path} > "
+                                 f"{path.stem}.unix.txt`")
             start = 0
             if offset == 0 and raw.startswith(codecs.BOM_UTF8):
                 start = len(codecs.BOM_UTF8)
             try:
                 line = raw[start:].decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{path} is not valid UTF-8 (byte offset {offset + start + err.start}: {err.reason}); "
-                    f"convert it first, e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8.txt`"
-                ) from err
+                raise ValueError(_decode_message(path, offset + start + err.start, err.reason, raw, offset)) from err
             if "\x00" in line:  # text files have no NUL bytes; binary ones (or a disk-full hole) do
                 raise ValueError(f"{path} contains NUL bytes (first at character {chars + line.index(chr(0))}): it "
                                  "is binary or damaged, not text; remove it from the data spec or repair it")
@@ -111,6 +118,24 @@ def read_lines(path: Path) -> Iterator[str]:
             yield line
     if not has_text:
         raise ValueError(f"{path} is empty (no text besides whitespace); remove it from the data spec")
+
+
+def _decode_message(path: Path, position: int, reason: str, raw: bytes, offset: int) -> str:
+    if offset == 0 and raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return (f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; convert it first, e.g. "
+                f"`iconv -f UTF-16 -t UTF-8 {path} > {path.stem}.utf8.txt`")
+    return (f"{path} is not valid UTF-8 (byte offset {position}: {reason}); convert it first, e.g. "
+            f"`iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8.txt` if it is Latin-1")
+
+
+def _long_line_message(path: Path, offset: int, raw: bytes) -> str:
+    if b"\r" in raw:
+        return (f"{path} has no newline in its first {MAX_LINE_BYTES // 2**20} MiB after byte {offset} but carriage "
+                f"returns: old Mac line endings; convert it first, e.g. `tr '\\r' '\\n' < {path} > "
+                f"{path.stem}.unix.txt`")
+    return (f"{path} has a line of more than {MAX_LINE_BYTES // 2**20} MiB starting at byte {offset}: one document "
+            "that large would take gigabytes to tokenize. Put one paragraph or document per line, separated by "
+            "newlines")
 
 
 def split_documents(lines: Iterable[str]) -> list[str]:
