@@ -84,6 +84,11 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
     if jax.process_index() == 0:
         logging.info("training a %d-token tokenizer on %s", config.model.vocab_size, config.data.train_files)
         tokenizer = tokenizer_lib.train_tokenizer(DocumentStream(config.data.train_files), config.model.vocab_size)
+        if tokenizer.get_vocab_size() < config.model.vocab_size:
+            logging.warning("the tokenizer trained on %s has %d tokens, not config.model.vocab_size=%d: the text holds "
+                            "too few distinct words and pieces for more, so the model's vocabulary is %d",
+                            config.data.train_files, tokenizer.get_vocab_size(), config.model.vocab_size,
+                            tokenizer.get_vocab_size())
         if jax.process_count() == 1:
             return tokenizer
         tokenizer_lib.save_tokenizer(tokenizer, own)

@@ -171,6 +171,18 @@ def test_resuming_with_another_model_is_refused(corpus, straight_run, tmp_path):
         train.train_and_evaluate(config, tmp_path / "run")
 
 
+def test_a_tokenizer_smaller_than_asked_is_reported(tmp_path, monkeypatch):
+    """One short line cannot give 512 distinct tokens; the model's vocabulary shrinks, which the user must hear."""
+    (tmp_path / "one.txt").write_text("the quick brown fox jumps over the lazy dog\n")
+    config = deberta.get_config("micro")
+    config.data.train_files = str(tmp_path / "one.txt")
+    warnings = []
+    monkeypatch.setattr(train.logging, "warning", lambda message, *args: warnings.append(message % args))
+    tokenizer = train.prepare_tokenizer(config, tmp_path / "run")
+    assert tokenizer.get_vocab_size() < config.model.vocab_size == 512
+    assert any(f"has {tokenizer.get_vocab_size()} tokens, not config.model.vocab_size=512" in w for w in warnings)
+
+
 def test_resuming_with_a_damaged_tokenizer_says_how_to_restore_it(corpus, straight_run, tmp_path):
     shutil.copytree(straight_run, tmp_path / "run")
     own = tmp_path / "run" / checkpoint.TOKENIZER_FILE
