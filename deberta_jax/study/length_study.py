@@ -101,6 +101,11 @@ def oracle_references(em: EvalModel, datasets: dict[str, str]) -> list[EvalModel
             for name, spec in datasets.items() if synthetic.is_synthetic_spec(spec)]
 
 
+# The share of [UNK] tokens in an evaluation text above which the study warns (natural text under its own
+# training tokenizer has almost none; a model scored on a text its vocabulary does not cover is no result).
+UNKNOWN_TOKEN_WARNING = 0.01
+
+
 class EvalTextError(ValueError):
     """An evaluation text the study cannot score as asked (empty of targets, shorter than a window)."""
 
@@ -277,6 +282,11 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                                         corpus.special, settings.mask_seed)
                 corpora[key] = corpus
             corpus = corpora[key]
+            unknown = float(np.mean(corpus.tokens == corpus.special.unk))
+            if unknown > UNKNOWN_TOKEN_WARNING:
+                logging.warning("%s: %.1f%% of its tokens are [UNK] under %s's tokenizer, whose vocabulary does not "
+                                "cover this text; its scores measure a text the model cannot read", dataset,
+                                100 * unknown, em.label)
             if not corpus.targets.any():
                 raise EvalTextError(
                     f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss would "
