@@ -2,6 +2,9 @@
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -56,6 +59,32 @@ def test_load_results_reads_back_what_write_results_wrote(tmp_path):
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == report.FIELDS and len(rows) == len(frame)
     assert rows[0]["offset"] == rows[0]["n_seeds"] == "" and rows[0]["seed"] == "0"
+
+
+def test_a_failed_write_keeps_the_previous_report_whole(tmp_path, monkeypatch):
+    """A full disk half-way through results.json: the previous report stays as it was, and no temporary is left."""
+    report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {"results.json", "results.csv", "summary.md"} <= set(before)
+
+    def full_disk(obj, f, **kw):
+        f.write('{"records": [')
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(report.json, "dump", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        report.write_report(study_records(np.random.default_rng(1)), [], str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f"results.json.tmp-{int(dead.stdout)}"
+    leftover.write_text('{"records": [{"model"')  # torn by SIGKILL
+    mine = tmp_path / f"summary.md.tmp-{os.getppid()}"  # a live process's write in progress: left alone
+    mine.write_text("...")
+    report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
+    assert not leftover.exists() and mine.exists()
+    assert report.load_results(tmp_path)["value"].notna().all()
 
 
 def test_load_results_names_the_file_and_the_fix(tmp_path):

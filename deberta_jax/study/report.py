@@ -12,9 +12,11 @@ In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -145,14 +147,55 @@ def _json_rows(frame: pd.DataFrame) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "n_seeds" or v is not None} for r in rows]
 
 
+_TEMPORARY = re.compile(r"\.tmp-(\d+)$")
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+    """A temporary path beside `path` to write, renamed over `path` once the write is complete: a failure (a full
+    disk) or a kill leaves the previous file whole. A failed write's temporary is removed here; a killed
+    process's, by `remove_stale_temporaries` at the next write."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def remove_stale_temporaries(out_dir: str) -> list[str]:
+    """Removes the temporaries of `replacing` left in `out_dir` by processes that no longer run; returns them."""
+    removed = []
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        match = _TEMPORARY.search(name)
+        if match and not _running(int(match.group(1))):
+            os.remove(os.path.join(out_dir, name))
+            removed.append(name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str) -> None:
-    """`results.json` (records + skipped combinations with reasons) and `results.csv` (the `FIELDS` columns)."""
+    """`results.json` (records + skipped combinations with reasons) and `results.csv` (the `FIELDS` columns), each
+    replacing the previous file only once written whole."""
     frame = records_frame(records)
     check_finite(frame)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, RESULTS_JSON), "w") as f:
+    remove_stale_temporaries(out_dir)
+    with replacing(os.path.join(out_dir, RESULTS_JSON)) as tmp, open(tmp, "w") as f:
         json.dump({"records": _json_rows(frame), "skipped": list(skipped)}, f, indent=1)
-    frame.to_csv(os.path.join(out_dir, "results.csv"), columns=list(FIELDS), index=False, lineterminator="\r\n")
+    with replacing(os.path.join(out_dir, "results.csv")) as tmp:
+        frame.to_csv(tmp, columns=list(FIELDS), index=False, lineterminator="\r\n")
 
 
 def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
@@ -165,7 +208,7 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
     means = aggregate_seeds(frame)
     write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir)
     summary = markdown_summary(means, skipped, notes)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    with replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
         f.write(summary)
     return means, summary, plot_all(means, out_dir)
 
@@ -311,7 +354,8 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_vs_length_{_slug(dataset)}.png")
-        fig.savefig(path, dpi=120)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
         plt.close(fig)
         written.append(path)
 
@@ -338,7 +382,8 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         fig.suptitle(f"Loss by position on {dataset}; dashed line = training length")
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_by_position_{_slug(dataset)}.png")
-        fig.savefig(path, dpi=110)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         written.append(path)
     return written
