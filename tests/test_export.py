@@ -213,6 +213,38 @@ def test_every_exported_file_gets_the_same_permissions(tmp_path, tokenizer):
     assert len(set(modes.values())) == 1, modes
 
 
+@pytest.mark.slow  # three export subprocesses, two of them killed
+def test_a_killed_export_leaves_the_previous_one_whole_and_the_rerun_completes(tmp_path, tokenizer):
+    """SIGKILL at two moments of an export over an earlier one, then the same command again: every file of `out`
+    is at all times either the earlier export's or the new one's, nothing is left beside it, and the rerun
+    writes the new model."""
+    old, new = random_model(tokenizer, seed=1), random_model(tokenizer, seed=2)
+    out = tmp_path / "export"
+    writer.export_model(old, tokenizer, out)
+    earlier = {name: (out / name).read_bytes() for name in writer.EXPORTED_FILES}
+    workdir = write_workdir(tmp_path / "run", new, tokenizer)
+    command = [sys.executable, "-m", "deberta_jax.export", "--workdir", str(workdir), "--out", str(out)]
+    after_kills = []
+    for delay in np.random.default_rng(0).uniform(2.0, 6.0, size=2):  # import, load and write take ~5-8 s here
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        after_kills.append({p.name: p.read_bytes() for p in out.iterdir()})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "run"]  # no temporary left beside it
+    final = {name: (out / name).read_bytes() for name in writer.EXPORTED_FILES}
+    for files in after_kills:  # never a torn file: each one the earlier export's or the new one's
+        assert set(files) == set(writer.EXPORTED_FILES)
+        assert all(files[name] in (earlier[name], final[name]) for name in files)
+    exported = hf.load(out)
+    np.testing.assert_array_equal(np.asarray(exported.embeddings.word_embeddings[...]),
+                                  np.asarray(new.embeddings.word_embeddings[...]))
+
+
 def test_out_dir_with_other_files_is_refused(tmp_path, tokenizer):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileExistsError, match="pytorch_model.bin"):

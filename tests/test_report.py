@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -78,12 +79,13 @@ def test_a_failed_write_keeps_the_previous_report_whole(tmp_path, monkeypatch):
 
 def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    leftover = tmp_path / f"results.json.tmp-{int(dead.stdout)}"
+    host = socket.gethostname()
+    leftover = tmp_path / f"results.json.tmp-{host}-{int(dead.stdout)}-0a1b2c3d"
     leftover.write_text('{"records": [{"model"')  # torn by SIGKILL
-    mine = tmp_path / f"summary.md.tmp-{os.getppid()}"  # a live process's write in progress: left alone
-    mine.write_text("...")
+    alive = tmp_path / f"summary.md.tmp-{host}-{os.getppid()}-0a1b2c3d"  # a live process's write: left alone
+    alive.write_text("...")
     report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
-    assert not leftover.exists() and mine.exists()
+    assert not leftover.exists() and alive.exists()
     assert report.load_results(tmp_path)["value"].notna().all()
 
 

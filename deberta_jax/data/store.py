@@ -21,18 +21,17 @@ import json
 import logging
 import os
 import shutil
-import socket
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from deberta_jax.data import atomic
+
 logger = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.npy"
 MANIFEST_FILE = "manifest.json"
-_TEMP_MARK = ".tmp-"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -83,8 +82,8 @@ def build(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype, info: dict)
     that one is kept and returned.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(path)
-    temp = path.with_name(f"{path.name}{_TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    atomic.remove_abandoned(path)
+    temp = atomic.temporary(path)
     temp.mkdir()
     try:
         num_tokens = _write_tokens(temp / TOKENS_FILE, pieces, np.dtype(dtype))
@@ -144,27 +143,7 @@ def _sync_directory(path: Path) -> None:
 
 def _discard(path: Path) -> None:
     """Renames a damaged store out of the way (atomically, so no reader sees it half-deleted), then deletes it."""
-    doomed = path.with_name(f"{path.name}{_TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    doomed = atomic.temporary(path)
     with contextlib.suppress(FileNotFoundError):  # another process discarded it first
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _remove_abandoned(path: Path) -> None:
-    """Deletes temporary directories of `path` left by processes of this host that no longer run."""
-    prefix = f"{path.name}{_TEMP_MARK}{socket.gethostname()}-"
-    for temp in path.parent.glob(f"{prefix}*"):
-        pid = temp.name[len(prefix):].split("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
-            logger.info("removing %s, left by process %s, which no longer runs", temp, pid)
-            shutil.rmtree(temp, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        return True
-    return True

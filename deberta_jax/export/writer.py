@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from deberta_jax.data import atomic
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.model import hf
 from deberta_jax.model.encoder import MaskedLM
@@ -55,12 +57,24 @@ def check_out_dir(out: str | os.PathLike) -> None:
 
 def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> list[str]:
     """Write `model` and `tokenizer` to `out`; returns the lengths past which transformers' logits differ
-    (`hf.export_differences`, also warned). Raises `hf.ExportError` naming any field transformers lacks."""
+    (`hf.export_differences`, also warned). Raises `hf.ExportError` naming any field transformers lacks.
+
+    The files are written to a temporary directory beside `out` and renamed into it once all are complete, so a
+    killed export leaves `out` as it was; the next export removes what a killed one left (`atomic`).
+    """
     check_out_dir(out)
-    cfg = model.cfg
-    notes = hf.save(model, out, pad_token_id=SpecialIds.from_tokenizer(tokenizer).pad)
-    save_tokenizer(tokenizer, out, model_max_length=cfg.max_position_embeddings,
-                   token_types=cfg.type_vocab_size > 0)
+    out, cfg = Path(out), model.cfg
+    atomic.remove_abandoned(out)
+    staging = atomic.temporary(out)
+    try:
+        notes = hf.save(model, staging, pad_token_id=SpecialIds.from_tokenizer(tokenizer).pad)
+        save_tokenizer(tokenizer, staging, model_max_length=cfg.max_position_embeddings,
+                       token_types=cfg.type_vocab_size > 0)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in EXPORTED_FILES:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return notes
 
 

@@ -12,16 +12,16 @@ In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats
+
+from deberta_jax.data.atomic import replacing
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
 FIELDS = ("model", "seed", "source", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
@@ -147,51 +147,12 @@ def _json_rows(frame: pd.DataFrame) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "n_seeds" or v is not None} for r in rows]
 
 
-_TEMPORARY = re.compile(r"\.tmp-(\d+)$")
-
-
-@contextlib.contextmanager
-def replacing(path: str):
-    """A temporary path beside `path` to write, renamed over `path` once the write is complete: a failure (a full
-    disk) or a kill leaves the previous file whole. A failed write's temporary is removed here; a killed
-    process's, by `remove_stale_temporaries` at the next write."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def remove_stale_temporaries(out_dir: str) -> list[str]:
-    """Removes the temporaries of `replacing` left in `out_dir` by processes that no longer run; returns them."""
-    removed = []
-    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
-        match = _TEMPORARY.search(name)
-        if match and not _running(int(match.group(1))):
-            os.remove(os.path.join(out_dir, name))
-            removed.append(name)
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str) -> None:
     """`results.json` (records + skipped combinations with reasons) and `results.csv` (the `FIELDS` columns), each
     replacing the previous file only once written whole."""
     frame = records_frame(records)
     check_finite(frame)
     os.makedirs(out_dir, exist_ok=True)
-    remove_stale_temporaries(out_dir)
     with replacing(os.path.join(out_dir, RESULTS_JSON)) as tmp, open(tmp, "w") as f:
         json.dump({"records": _json_rows(frame), "skipped": list(skipped)}, f, indent=1)
     with replacing(os.path.join(out_dir, "results.csv")) as tmp:
