@@ -78,6 +78,29 @@ def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
     assert len(reference) > 10
 
 
+def test_fixed_target_windows_score_every_target_of_each_span_and_nothing_else(corpus):
+    """Row by row: the scored stream positions are exactly the drawn targets in `[start, start + span)`; a span
+    one token short or shifted by one would drop or add one."""
+    span, offset = 8, 5
+    starts = targets.target_starts(corpus, 128, span, 32)
+    w = targets.fixed_target_windows(corpus, 32, offset, starts, span)
+    scored = 0
+    for row, start in enumerate(starts):
+        want = [p for p in range(start, start + span) if corpus.targets[p]]
+        assert sorted(w.stream_pos[row][w.weights[row] > 0]) == want
+        scored += len(want)
+    assert scored > 10
+
+
+def test_loss_is_the_mean_over_tokens_not_over_documents():
+    """Two documents of 1 and 3 scored tokens: per token (1 + 3 * 3) / 4 = 2.5, per document (1 + 3) / 2 = 2."""
+    sums = scoring.Sums.zeros(num_docs=2, seq_len=8, bucket_width=4)
+    sums.loss_doc[:] = [1.0, 9.0]
+    sums.count_doc[:] = [1, 3]
+    sums.correct_doc[:] = [1, 0]
+    assert sums.loss == 2.5 and sums.accuracy == 0.25
+
+
 @pytest.mark.slow
 def test_scoring_only_the_targets_equals_the_full_logits(corpus, tok):
     model = tiny(tok, attention="disentangled")

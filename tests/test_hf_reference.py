@@ -38,6 +38,8 @@ DEBERTA_CASES = {
     "log_buckets": (dict(V3, position_buckets=16, max_relative_positions=32), [70]),
     "abs_input_token_types": (dict(V3, position_biased_input=True, type_vocab_size=2, max_position_embeddings=64), [20]),
     "new_head": (dict(V3, legacy=False), [11]),
+    # Not the default 1e-7: an epsilon the loader ignored would move these logits by about 1e-3.
+    "layer_norm_eps": (dict(V3, layer_norm_eps=1e-2), [13]),
 }
 
 # One compiled forward per model and shape: tracing the whole model once is several times faster

@@ -160,3 +160,17 @@ def test_pos_att_type_spellings_are_equivalent():
     assert a == b and a.pos_att_type == ("c2p", "p2c")
     with pytest.raises(ConfigError, match="unknown model field"):
         ModelConfig.from_dict(dict(dataclasses.asdict(a), heads=3))
+
+
+def test_relative_embeddings_get_dropout_in_training():
+    """DeBERTa drops out the relative table's rows before projecting them (the reference's `pos_dropout`): with a
+    dropout stream the position keys differ from draw to draw and from the deterministic ones."""
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
+                      hidden_dropout=0.3, attention_dropout=0.0, position_buckets=4, max_relative_positions=8)
+    model = MaskedLM(cfg, rngs=nnx.Rngs(params=0))
+    ctx = model.encoder.position_context(1, 10)
+    attention = model.encoder.layers[0].attention
+    plain = attention._relative_projections(ctx, None)[1]
+    first, second = (attention._relative_projections(ctx, nnx.Rngs(dropout=s))[1] for s in (1, 2))
+    assert not np.allclose(first, plain) and not np.allclose(first, second)
+    np.testing.assert_allclose(attention._relative_projections(ctx, None)[1], plain)

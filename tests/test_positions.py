@@ -4,9 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers.models.deberta_v2 import modeling_deberta_v2 as ref
 
 from deberta_jax.model import positions
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 
 
 def test_log_buckets_match_hand_computed_values():
@@ -84,3 +87,16 @@ def test_interpolate_stretches_trained_rows():
     np.testing.assert_allclose(out[2], TABLE[1], atol=1e-6)  # position 2 of 11 -> row 1.0 of 6
     np.testing.assert_allclose(out[1], (TABLE[0] + TABLE[1]) / 2, atol=1e-6)
     assert np.isfinite(out).all()
+
+
+def test_the_model_reads_interpolated_rows_at_the_stretched_positions():
+    """Through the model (the policy reaching `Embeddings`): at 2T - 1 positions, every even one reads a trained
+    row exactly, p = 2m -> row m, and the last reads the last trained row."""
+    cfg = ModelConfig(vocab_size=20, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16,
+                      attention="entangled", position_biased_input=True, pos_att_type=(), max_position_embeddings=16,
+                      trained_length=6, absolute_position_policy="interpolate")
+    model = MaskedLM(cfg, rngs=nnx.Rngs(params=0))
+    rows = np.asarray(model.embeddings.absolute(model.encoder.position_context(1, 11))[0])
+    table = np.asarray(model.embeddings.position_embeddings[...])
+    np.testing.assert_allclose(rows[::2], table[:6], atol=1e-6)
+    np.testing.assert_allclose(rows[1], (table[0] + table[1]) / 2, atol=1e-6)

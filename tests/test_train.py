@@ -338,6 +338,22 @@ def test_weight_decay_only_on_dense_kernels():
     assert moved == {p for p in decayed if np.any(_leaf(params, p) != 0)}
 
 
+def test_the_optimizer_train_py_builds_decays_only_dense_kernels():
+    """The property above through `optim.make_optimizer` with a run's config: a mask dropped (or misapplied) in
+    the optimizer itself would leave the test above green."""
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                      position_buckets=8, max_relative_positions=16, max_position_embeddings=32, use_emd=True)
+    params = steps.init_params(cfg, seed=0)
+    train_config = deberta.get_config("micro").train
+    assert train_config.weight_decay > 0
+    optimizer = optim.make_optimizer(train_config, optax.constant_schedule(1.0))
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    for path, update in jax.tree_util.tree_leaves_with_path(updates):
+        kernel = jax.tree_util.keystr(path).endswith("['kernel']")
+        np.testing.assert_allclose(update, -train_config.weight_decay * _leaf(params, jax.tree_util.keystr(path))
+                                   if kernel else 0.0, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 def _leaf(tree, keystr):
     return dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree))[keystr]
 
