@@ -26,7 +26,7 @@ from typing import NoReturn
 import jax
 from absl import app, flags
 
-from deberta_jax.data import packing
+from deberta_jax.data import errors, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
@@ -175,4 +175,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(errors.reporting_user_errors(main, "eval.py", also=(checkpoint.DamagedCheckpointError,)))

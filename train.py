@@ -31,7 +31,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
-from deberta_jax.data import batches, packing, synthetic
+from deberta_jax.data import batches, errors, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
@@ -309,4 +309,5 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main, flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "config"))
+    app.run(errors.reporting_user_errors(main, "train.py", also=(checkpoint.DamagedCheckpointError, NonFiniteError)),
+            flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "config"))

@@ -21,7 +21,7 @@ from flax import nnx
 
 import train
 from configs import deberta
-from deberta_jax.data import packing, text
+from deberta_jax.data import errors, packing, text
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.study import length_study, report, scoring
 from deberta_jax.train import checkpoint, metrics_io, validation, workdir_lock
@@ -296,6 +296,19 @@ def test_an_unknown_config_field_names_the_flag_and_lists_the_fields(tmp_path):
     assert "'hidden_size'" in result.stderr and "Traceback" not in result.stderr
     result = train_py("--config.trian.num_steps=1")
     assert "--config.trian.num_steps: config has no field 'trian'; its fields are ['data', 'mesh'" in result.stderr
+
+
+def test_user_errors_are_one_line_and_their_traceback_is_one_variable_away(tmp_path):
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path),
+               "--config.model.num_heads=3"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-2] == (
+        "train.py: config.model.num_heads=3 is invalid: must divide hidden_size=32; pick a divisor such as "
+        "[1, 2, 4, 8, 16]")
+    env = {**os.environ, errors.TRACEBACK_VARIABLE: "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" in result.stderr and "ConfigError" in result.stderr
 
 
 def test_a_literal_path_wins_over_a_glob_and_binary_text_is_named(tmp_path):

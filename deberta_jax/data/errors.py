@@ -1,0 +1,29 @@
+"""How entry points report what a user can cause (a bad config value, a missing or unreadable file, a damaged
+checkpoint): one line naming the thing and the fix, without a traceback. The library raises these as ValueError,
+OSError and their subclasses, with messages written for the user; anything else is a bug and keeps its traceback.
+A user error's traceback is one environment variable away (`TRACEBACK_VARIABLE`), for reporting a suspected bug.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+TRACEBACK_VARIABLE = "DEBERTA_JAX_TRACEBACK"
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseException], ...] = ()) -> Callable:
+    """`main` (an absl main) that exits with `program: message` for `USER_ERRORS` and `also`, unless
+    `TRACEBACK_VARIABLE` is set."""
+    @functools.wraps(main)
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except USER_ERRORS + also as err:
+            if os.environ.get(TRACEBACK_VARIABLE):
+                raise
+            sys.exit(f"{program}: {err}\n({TRACEBACK_VARIABLE}=1 shows where it was raised)")
+    return wrapped
