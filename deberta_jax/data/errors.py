@@ -1,4 +1,4 @@
-"""How entry points report what a user can cause (a bad config value, a missing or unreadable file, a damaged
+"""How entry points end on what a user can cause (a bad config value, a missing or unreadable file, a damaged
 checkpoint): one line naming the thing and the fix, without a traceback. The library raises these as ValueError,
 OSError and their subclasses, with messages written for the user; anything else is a bug and keeps its traceback.
 A user error's traceback is one environment variable away (`TRACEBACK_VARIABLE`), for reporting a suspected bug.
@@ -17,7 +17,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 
 def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseException], ...] = ()) -> Callable:
     """`main` (an absl main) that exits with `program: message` for `USER_ERRORS` and `also`, unless
-    `TRACEBACK_VARIABLE` is set."""
+    `TRACEBACK_VARIABLE` is set, and with status 130 on Ctrl-C."""
     @functools.wraps(main)
     def wrapped(argv):
         try:
@@ -26,4 +26,11 @@ def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseExc
             if os.environ.get(TRACEBACK_VARIABLE):
                 raise
             sys.exit(f"{program}: {err}\n({TRACEBACK_VARIABLE}=1 shows where it was raised)")
+        except KeyboardInterrupt:  # the `finally` blocks on the way here have closed what was open
+            sys.stdout.flush()
+            sys.stderr.write(f"{program}: interrupted\n")
+            sys.stderr.flush()
+            # Skip the interpreter's teardown, which can crash ("Fatal Python error: Segmentation fault") while
+            # XLA's compiler threads still run, as they do in a run's first seconds.
+            os._exit(130)
     return wrapped
