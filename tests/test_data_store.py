@@ -247,7 +247,7 @@ def dead_pid() -> int:
     return int(process.stdout)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "no manifest", "extended"])
+@pytest.mark.parametrize("damage", ["truncated", "no manifest", "extended", "altered"])
 def test_a_damaged_store_is_rebuilt_not_read(tmp_path, corpus, documents, tokenizer, damage, caplog):
     first = load_or_pack(str(corpus), tokenizer, 32, tmp_path)
     path = packing.cache_path(str(corpus), tokenizer, tmp_path)
@@ -257,9 +257,13 @@ def test_a_damaged_store_is_rebuilt_not_read(tmp_path, corpus, documents, tokeni
         os.truncate(path / store.TOKENS_FILE, size - 10)
     elif damage == "no manifest":
         (path / store.MANIFEST_FILE).unlink()
-    else:
+    elif damage == "extended":
         with open(path / store.TOKENS_FILE, "ab") as f:
             f.write(b"\0\0")
+    else:  # the same size, other ids: only the digest can tell
+        data = bytearray((path / store.TOKENS_FILE).read_bytes())
+        data[-64:] = bytes(reversed(data[-64:]))
+        (path / store.TOKENS_FILE).write_bytes(bytes(data))
     rows = load_or_pack(str(corpus), tokenizer, 32, tmp_path)
     assert "is damaged" in caplog.text
     assert_same_rows(rows.take(np.arange(rows.num_rows)), old_pack_documents(documents, tokenizer, 32))

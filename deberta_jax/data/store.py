@@ -3,19 +3,20 @@
 A store is a directory holding
   tokens.npy     the stream, 1-D, uint16 when every id fits (else int32), in the standard `.npy` format
                  (`np.load(path, mmap_mode="r")` reads it without loading it);
-  manifest.json  its token count and dtype plus what the caller recorded (written last).
+  manifest.json  its token count, dtype and content digest plus what the caller recorded (written last).
 It is built in a temporary directory beside it and renamed into place only when complete and flushed to
 disk, so a crash leaves a temporary directory (never read; deleted by the next build on the same host once
 the process that made it is gone) and never a partial store. Several processes may build the same store at
 once (every host of a multi-host job): the first rename wins and the others delete their copy and read the
-winner's. Opening checks the token file against the manifest, so a store damaged afterwards (truncated,
-overwritten) is set aside and rebuilt rather than read.
+winner's. Opening checks the token file against the manifest (size, shape, and a digest of every byte), so a
+store damaged or altered afterwards (truncated, overwritten, edited) is set aside and rebuilt rather than read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import logging
@@ -32,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.npy"
 MANIFEST_FILE = "manifest.json"
+# The manifest's record of the tokens' content, checked at every opening: a store of the right size holding other
+# ids (copied over, edited) would otherwise be trained on silently. A store written without it is rebuilt.
+DIGEST_KEY = "tokens_blake2b"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -72,7 +76,21 @@ def _open(path: Path) -> np.memmap:
     if tokens.shape != (num_tokens,) or tokens.dtype != dtype:
         raise ValueError(f"{tokens_path} holds {tokens.dtype}{list(tokens.shape)}, its manifest says "
                          f"{dtype}[{num_tokens}]")
+    digest = _digest_of_file(tokens_path, len(_npy_header(dtype, num_tokens)))
+    if digest != manifest[DIGEST_KEY]:
+        raise ValueError(f"{tokens_path} does not hold the tokens its manifest records (BLAKE2b {digest[:16]}..., "
+                         f"recorded {manifest[DIGEST_KEY][:16]}...): it was altered after it was written")
     return tokens
+
+
+def _digest_of_file(path: Path, offset: int) -> str:
+    """BLAKE2b of `path`'s bytes from `offset` on, read in blocks (about 1 GB/s: a second per gigabyte of tokens)."""
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def build(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype, info: dict) -> np.memmap:
@@ -86,8 +104,8 @@ def build(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype, info: dict)
     temp = atomic.temporary(path)
     temp.mkdir()
     try:
-        num_tokens = _write_tokens(temp / TOKENS_FILE, pieces, np.dtype(dtype))
-        manifest = {**info, "num_tokens": num_tokens, "dtype": np.dtype(dtype).name}
+        num_tokens, digest = _write_tokens(temp / TOKENS_FILE, pieces, np.dtype(dtype))
+        manifest = {**info, "num_tokens": num_tokens, "dtype": np.dtype(dtype).name, DIGEST_KEY: digest}
         _write_synced(temp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         _sync_directory(temp)
         try:
@@ -105,14 +123,18 @@ def build(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype, info: dict)
     return _open(path)
 
 
-def _write_tokens(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype) -> int:
-    """Streams the pieces after a placeholder header, then writes the real header (same size) in its place."""
+def _write_tokens(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype) -> tuple[int, str]:
+    """Streams the pieces after a placeholder header, then writes the real header (same size) in its place;
+    returns the token count and the BLAKE2b of the tokens' bytes (`_digest_of_file` from the header on)."""
     placeholder = _npy_header(dtype, 0)
     num_tokens = 0
+    digest = hashlib.blake2b(digest_size=32)
     with open(path, "wb") as f:
         f.write(placeholder)
         for piece in pieces:
-            f.write(np.ascontiguousarray(piece, dtype).data)
+            data = np.ascontiguousarray(piece, dtype).data
+            f.write(data)
+            digest.update(data)
             num_tokens += len(piece)
         header = _npy_header(dtype, num_tokens)
         if len(header) != len(placeholder):  # numpy pads every 1-D header to 128 bytes; a change must not go unseen
@@ -122,7 +144,7 @@ def _write_tokens(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype) -> 
         f.write(header)
         f.flush()
         os.fsync(f.fileno())
-    return num_tokens
+    return num_tokens, digest.hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:
