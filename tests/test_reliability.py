@@ -316,6 +316,16 @@ def test_ctrl_c_while_compiling_stops_cleanly(tmp_path):
     assert subprocess.run(command, cwd=REPO, capture_output=True, timeout=300).returncode == 0
 
 
+def test_a_list_field_on_the_command_line_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep", "configs/sweeps/natural.py",
+                             "--sweep.seeds=[2,3]", "--mode", "print"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("--sweep.seeds: a list field cannot be set from the command line (only numbers, "
+                                     "strings, booleans and tuples can); change it in the config file, or in a copy "
+                                     "of it")
+
+
 def test_user_errors_are_one_line_and_their_traceback_is_one_variable_away(tmp_path):
     command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path),
                "--config.model.num_heads=3"]

@@ -16,6 +16,7 @@ import warnings
 
 from absl import app, flags, logging
 
+from deberta_jax.data import errors
 from deberta_jax.export import writer
 from deberta_jax.model import hf
 from deberta_jax.train import checkpoint
@@ -29,16 +30,10 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    try:
-        step = checkpoint.parse_step(FLAGS.checkpoint)
-    except ValueError as err:
-        raise app.UsageError(str(err)) from None
-    try:
-        with warnings.catch_warnings():  # the returned notes are logged below, without a source line
-            warnings.simplefilter("ignore", hf.ExportWarning)
-            notes = writer.export_workdir(FLAGS.workdir, FLAGS.out, step)
-    except (hf.ExportError, FileExistsError, checkpoint.DamagedCheckpointError) as err:
-        raise app.UsageError(str(err)) from None
+    step = checkpoint.parse_step(FLAGS.checkpoint)
+    with warnings.catch_warnings():  # the returned notes are logged below, without a source line
+        warnings.simplefilter("ignore", hf.ExportWarning)
+        notes = writer.export_workdir(FLAGS.workdir, FLAGS.out, step)
     for note in notes:
         logging.warning("%s", note)
     print(f"wrote {', '.join(writer.EXPORTED_FILES)} to {os.path.abspath(FLAGS.out)}; load them with "
@@ -46,4 +41,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.export",
+                                         also=(checkpoint.DamagedCheckpointError,)))

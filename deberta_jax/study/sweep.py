@@ -30,7 +30,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
-from deberta_jax.data import packing, synthetic
+from deberta_jax.data import errors, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, validation, workdir_lock
@@ -226,4 +226,5 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["sweep"])
-    app.run(main, flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "sweep"))
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.sweep"),
+            flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "sweep"))

@@ -15,6 +15,7 @@ import os
 import re
 
 from ml_collections import config_dict
+from ml_collections.config_flags import config_flags as config_flags_module
 
 from deberta_jax.data import packing
 from deberta_jax.model.config import ConfigError, ModelConfig
@@ -160,6 +161,11 @@ def parse_config_flags(flags, argv: list[str], flag: str):
     lacks (`--config.model.foo=1`) into a usage error that names the flag and lists the fields that exist."""
     try:
         return flags(argv)
+    except config_flags_module.UnsupportedOperationError as err:  # e.g. a list field, which flags cannot set
+        found = re.search(r"Type <class '(\w+)'> of field (\S+) is not supported", str(err))
+        kind, field = found.groups() if found else ("this", "the field")
+        raise SystemExit(f"--{field}: a {kind} field cannot be set from the command line (only numbers, strings, "
+                         "booleans and tuples can); change it in the config file, or in a copy of it") from None
     except (AttributeError, KeyError) as err:  # KeyError for a missing section, AttributeError for a field
         found = re.search(r"'([^'\\]+)", str(err))
         missing = found.group(1) if found else ""
