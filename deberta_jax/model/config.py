@@ -93,8 +93,11 @@ class ModelConfig:
     `remat` and `scan_layers` trade compute and compile time for memory without changing a result: `remat`
     recomputes each layer's activations in the backward pass instead of keeping them (`REMAT_POLICIES` says what
     each policy keeps), and `scan_layers` runs the identical layers as one `lax.scan` over their stacked
-    parameters, so XLA compiles one layer instead of `num_layers` (faster compiles of deep models). Parameters stay
-    one subtree per layer either way, so checkpoints interchange between every setting.
+    parameters, so XLA compiles one layer instead of `num_layers` (faster compiles of deep models). Remat implies
+    the scan: unrolled, XLA hoists every layer's recomputation to the start of the backward pass and the saving
+    vanishes (a 12-layer encoder's gradient on CPU: 2.6 GB of temporaries with or without remat unrolled, 0.40 GB
+    with 'full' in a scan). Parameters stay one subtree per layer either way, so checkpoints interchange between
+    every setting.
 
     `relative_terms` is how the dense kernel computes DeBERTa's c2p and p2c (`RELATIVE_TERMS`): the same values
     to float rounding, by gathers or by matrix products and a relative shift. The model resolves "auto" for the

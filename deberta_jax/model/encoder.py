@@ -166,14 +166,15 @@ class Encoder(nnx.Module):
         each rematerialized under `cfg.remat`.
 
         Layer l draws its dropout from `fold_in(key, l)`, `key` one draw of `rngs`' dropout stream, so the loop
-        and the scan drop the same elements.
+        and the scan drop the same elements. Remat always runs as a scan: in an unrolled stack XLA schedules every
+        layer's recomputation at the start of the backward pass, where it saves no memory at all.
         """
         layers = list(self.layers[: self.cfg.num_layers if num_layers is None else num_layers])
         if not layers:
             return hidden
         apply = _layer_function(self.cfg, nnx.graphdef(layers[0]), key_mask, ctx)
         keys = None if rngs is None else jax.vmap(jax.random.fold_in, (None, 0))(rngs.dropout(), jnp.arange(len(layers)))
-        if self.cfg.scan_layers:
+        if self.cfg.scan_layers or self.cfg.remat != "none":
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
             hidden, _ = jax.lax.scan(lambda h, xs: (apply(xs[0], h, xs[1]), None), hidden, (stacked, keys))
             return hidden
