@@ -35,16 +35,16 @@ lane() {  # lane SLICE TOPOLOGY FSDP: every model at both lengths
 lane v5e v5e:4x4 16 &
 lane v5p v5p:2x2x2 1 &
 wait
-# What remat and layer scanning save (DeBERTa-base at 2,048 tokens does not fit v5e without remat).
-remat() {
-  aot "v5e-deberta-base-2048-remat-$1" v5e:4x4 16 configs/deberta.py:base --programs=train \
-    --config.data.seq_len=2048 --config.model.max_position_embeddings=2048 --config.train.batch_size=64 \
-    --config.model.remat="$1"
+# What the knobs do for DeBERTa-base at 2,048 tokens, which does not fit v5e without them (remat runs as a scan).
+knob() {  # knob NAME OVERRIDE
+  aot "v5e-deberta-base-2048-$1" v5e:4x4 16 configs/deberta.py:base --programs=train \
+    --config.data.seq_len=2048 --config.model.max_position_embeddings=2048 --config.train.batch_size=64 "$2"
 }
-(remat dots_no_batch; remat full) &
-aot v5e-deberta-base-512-scan v5e:4x4 16 configs/deberta.py:base --programs=train \
-  --config.model.scan_layers=True &
+(knob remat-dots_no_batch --config.model.remat=dots_no_batch; knob accum2 --config.train.grad_accum_steps=2) &
+(knob remat-full --config.model.remat=full; knob blockwise --config.model.attention_kernel=blockwise) &
 wait
+aot v5e-deberta-base-512-scan v5e:4x4 16 configs/deberta.py:base --programs=train \
+  --config.model.scan_layers=True
 aot v5e-deberta-base-512-2-slices v5e:4x4 16 configs/deberta.py:base --programs=train --num_slices 2
 { "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
   > "$OUT/table.md"
