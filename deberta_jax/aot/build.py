@@ -131,8 +131,9 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
                  f"{(needed - oom.available_bytes) / GIB:.2f} GiB more than the {oom.available_bytes / GIB:.2f} GiB "
                  f"libtpu can use on a {chip.name} chip."]
     if not report.name.startswith(("train", "eval")):
-        hints.append("Use the blockwise kernel (--attention_kernel=blockwise, memory linear in length) or fewer "
-                     "tokens per batch (eval.py --tokens_per_batch).")
+        blockwise = "(dense)" in report.name and "the blockwise kernel (eval.py --attention_kernel blockwise, memory " \
+            "linear in length) or "
+        hints.append(f"Use {blockwise or ''}fewer tokens per batch (eval.py --tokens_per_batch).")
         return hints
     per_slice = tpu.num_chips // tpu.num_slices
     fsdp = config.mesh.fsdp

@@ -267,8 +267,8 @@ def with_options(model: MaskedLM, **fields) -> MaskedLM:
     if jax.tree.structure(abstract) != jax.tree.structure(state) or any(
             a.shape != b.shape for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state))):
         raise ValueError(f"with_options({', '.join(sorted(fields))}) changes the model's parameters; only fields "
-                         "that leave them as they are can be replaced (kernel, block size, remat, layer scan, position "
-                         "policy, clamp)")
+                         "that leave them as they are can be replaced (kernel, block size, remat, layer scan, relative "
+                         "terms, position policy, clamp)")
     return nnx.merge(graphdef, state)
 
 def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):

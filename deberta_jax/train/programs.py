@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding
 from ml_collections import config_dict
 
@@ -39,7 +38,6 @@ class RunPrograms:
     abstract_state: steps.TrainState
     state_sharding: steps.TrainState
     batch_sharding: NamedSharding
-    schedule: optax.Schedule
 
 
 def build(config: config_dict.ConfigDict, model_config: ModelConfig, mesh: Mesh) -> RunPrograms:
@@ -64,7 +62,7 @@ def build(config: config_dict.ConfigDict, model_config: ModelConfig, mesh: Mesh)
                         in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated)
     return RunPrograms(init=jax.jit(init_fn, out_shardings=state_sharding), train_step=train_step,
                        eval_step=eval_step, abstract_state=abstract_state, state_sharding=state_sharding,
-                       batch_sharding=batch_sharding, schedule=schedule)
+                       batch_sharding=batch_sharding)
 
 
 def abstract_batch(rows: int, seq_len: int, batch_sharding: NamedSharding) -> dict[str, jax.ShapeDtypeStruct]:
