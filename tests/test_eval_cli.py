@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import train
@@ -43,6 +44,34 @@ def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_
     assert {n for _, n in loss} == {32, 64}
     assert loss["oracle", 32] < loss["unigram", 32] - 1.0
     assert any(r["metric"] == "gap_closed" for r in records)
+
+
+def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(workdir, tmp_path):
+    """SIGKILL at random moments of an evaluation writing over an earlier one, then the same command again: every
+    report file is at all times the earlier run's or the new one's, no temporary is left, and the rerun completes."""
+    out = tmp_path / "out"
+    common = ["--workdir", str(workdir), "--data_files", "synthetic:markov:test:docs=3,doc_len=300", "--extra", "",
+              "--protocols", "chunked", "--bootstrap", "20", "--out", str(out)]
+    assert eval_py(*common, "--multiples", "1").returncode == 0
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    command = [sys.executable, "eval.py", *common, "--multiples", "1,2"]
+    snapshots = []
+    for delay in np.random.default_rng(1).uniform(3.0, 9.0, size=2):  # start-up and scoring take ~6-12 s here
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        snapshots.append({p.name: p.read_bytes() for p in out.iterdir()})
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    final = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(final) == set(earlier)  # no temporary of a killed run left beside the reports
+    for files in snapshots:
+        assert set(files) - set(final) <= {name for name in files if ".tmp-" in name}  # a killed writer's, at most
+        assert all(files[name] in (earlier[name], final[name]) for name in files if ".tmp-" not in name)
+    assert {r["eval_len"] for r in json.loads(final["results.json"])["records"]} == {32, 64}
 
 
 def test_a_bad_checkpoint_flag_names_the_flag(workdir, tmp_path):

@@ -22,7 +22,7 @@ import os
 import pandas as pd
 from absl import app, flags
 
-from deberta_jax.data import packing
+from deberta_jax.data import errors, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, metrics_io, validation
@@ -154,4 +154,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.curves"))
