@@ -1,6 +1,7 @@
 """Checks and fixtures shared by several test modules."""
 
 import os
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +57,18 @@ def set_model_params(model, values) -> None:
         node[leaf] = jnp.asarray(value, dtype=old.dtype)
     nnx.replace_by_pure_dict(state, pure)
     nnx.update(model, state)
+
+
+def files_after_kills(command: list[str], delays, watched, cwd=None) -> list[dict[str, bytes]]:
+    """Starts `command` once per delay and SIGKILLs it after that many seconds (unless it ended first); returns
+    the files of the directory `watched` (name -> bytes) after each, for fault tests of writers."""
+    seen = []
+    for delay in delays:
+        process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        seen.append({path.name: path.read_bytes() for path in watched.iterdir()})
+    return seen

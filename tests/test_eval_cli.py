@@ -11,6 +11,7 @@ import pytest
 
 import train
 from configs import deberta
+from tests.helpers import files_after_kills
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow  # trains a micro run, then starts eval.py twice
@@ -55,15 +56,8 @@ def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(
     assert eval_py(*common, "--multiples", "1").returncode == 0
     earlier = {p.name: p.read_bytes() for p in out.iterdir()}
     command = [sys.executable, "eval.py", *common, "--multiples", "1,2"]
-    snapshots = []
-    for delay in np.random.default_rng(1).uniform(3.0, 9.0, size=2):  # start-up and scoring take ~6-12 s here
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            process.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        snapshots.append({p.name: p.read_bytes() for p in out.iterdir()})
+    # Start-up and scoring take ~6-12 s here.
+    snapshots = files_after_kills(command, np.random.default_rng(1).uniform(3.0, 9.0, size=2), out, cwd=REPO)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     final = {p.name: p.read_bytes() for p in out.iterdir()}

@@ -30,7 +30,7 @@ from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.train import checkpoint
 from deberta_jax.train.steps import TrainState
-from tests.helpers import BROWN, model_params
+from tests.helpers import BROWN, files_after_kills, model_params
 
 TOL = 1e-5
 MICRO = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, hidden_dropout=0.0,
@@ -224,15 +224,8 @@ def test_a_killed_export_leaves_the_previous_one_whole_and_the_rerun_completes(t
     earlier = {name: (out / name).read_bytes() for name in writer.EXPORTED_FILES}
     workdir = write_workdir(tmp_path / "run", new, tokenizer)
     command = [sys.executable, "-m", "deberta_jax.export", "--workdir", str(workdir), "--out", str(out)]
-    after_kills = []
-    for delay in np.random.default_rng(0).uniform(2.0, 6.0, size=2):  # import, load and write take ~5-8 s here
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            process.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        after_kills.append({p.name: p.read_bytes() for p in out.iterdir()})
+    # Import, load and write take ~5-8 s here.
+    after_kills = files_after_kills(command, np.random.default_rng(0).uniform(2.0, 6.0, size=2), out)
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "run"]  # no temporary left beside it
