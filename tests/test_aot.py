@@ -45,6 +45,12 @@ def test_topology_names():
         parse_topology("v7x:2x2")
 
 
+@pytest.mark.parametrize("topology,kind", [("v4:2x2x1", "TPU v4"), ("v5p:2x2x1", "TPU v5"), ("v6e:2x2", "TPU v6 lite")])
+def test_every_generation_gives_one_device_per_chip(topology, kind):
+    tpu = tpu_slice(topology)
+    assert tpu.num_chips == 4 and {d.device_kind for d in tpu.devices} == {kind}
+
+
 @pytest.mark.slow
 def test_micro_train_step_fits_and_reports_the_executables_memory(v5e_2x2):
     config = micro(batch_size=16)
