@@ -144,27 +144,21 @@ def main(argv):
     for length in settings.lengths:
         if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:
             usage_error(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
-                                 f"{packing.MAX_SEQ_LEN}] tokens, [CLS] and [SEP] included")
+                        f"{packing.MAX_SEQ_LEN}] tokens, [CLS] and [SEP] included")
     if is_main:
         check_writable(FLAGS.out)
     specs = dataset_specs(FLAGS.data_files)
     datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
                  if FLAGS[name].value is not None}
-    try:
-        models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
-    except checkpoint.DamagedCheckpointError as err:
-        usage_error(str(err))
+    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
     references = []
     if FLAGS.unigram and FLAGS.workdir:
         references.append(length_study.unigram_reference(models[0]))
     if FLAGS.oracle:
         references += length_study.oracle_references(models[0], specs)
     models += references
-    try:
-        records, skipped = length_study.run_study(models, datasets, settings)
-    except length_study.EvalTextError as err:
-        usage_error(str(err))
+    records, skipped = length_study.run_study(models, datasets, settings)
     note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
     if not is_main:
         return

@@ -106,10 +106,6 @@ def oracle_references(em: EvalModel, datasets: dict[str, str]) -> list[EvalModel
 UNKNOWN_TOKEN_WARNING = 0.01
 
 
-class EvalTextError(ValueError):
-    """An evaluation text the study cannot score as asked (empty of targets, shorter than a window)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
     multiples: tuple[int, ...] = DEFAULT_MULTIPLES
@@ -288,11 +284,11 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                 "cover this text; its scores measure a text the model cannot read", dataset,
                                 100 * unknown, em.label)
             if not corpus.targets.any():
-                raise EvalTextError(
+                raise ValueError(
                     f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss would "
                     "be 0 over 0 tokens; give more evaluation text")
             if len(corpus.tokens) < max(lengths) - 2:
-                raise EvalTextError(
+                raise ValueError(
                     f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
                     f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
             resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
