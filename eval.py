@@ -158,11 +158,12 @@ def main(argv):
     if FLAGS.oracle:
         references += length_study.oracle_references(models[0], specs)
     models += references
-    records, skipped = length_study.run_study(models, datasets, settings)
+    warnings = []
+    records, skipped = length_study.run_study(models, datasets, settings, warnings=warnings)
     note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
     if not is_main:
         return
-    _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=[note] if note else [])
+    _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=([note] if note else []) + warnings)
     print(summary)
     print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),
           "to", FLAGS.out)

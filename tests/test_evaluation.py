@@ -184,13 +184,17 @@ def test_bad_settings_and_short_text_fail_clearly(tok):
         length_study.run_study(models, {"d": ["just a few words here"]}, length_study.StudySettings(protocols=("chunked",)))
 
 
-def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, monkeypatch):
+def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, tmp_path):
+    """Logged, and handed back for the report: summary.md says it at its top."""
     warnings = []
-    monkeypatch.setattr(length_study.logging, "warning", lambda message, *args: warnings.append(message % args))
     models = [length_study.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
     settings = length_study.StudySettings(lengths=(16,), protocols=("chunked",), bootstrap=10)
-    length_study.run_study(models, {"han": ["\u6f22\u5b57 words \u6f22\u5b57 " * 40] * 3}, settings)
-    assert any(w.startswith("han: ") and "% of its tokens are [UNK] under deb's tokenizer" in w for w in warnings)
+    records, skipped = length_study.run_study(models, {"han": ["\u6f22\u5b57 words \u6f22\u5b57 " * 40] * 3},
+                                              settings, warnings=warnings)
+    assert len(warnings) == 1 and warnings[0].startswith("han: ")
+    assert "% of its tokens are [UNK] under deb's tokenizer" in warnings[0]
+    _, summary, _ = report.write_report(records, skipped, str(tmp_path), notes=warnings)
+    assert warnings[0] in summary
 
 
 def test_unigram_floor_scores_the_same_targets(corpus, docs, tok):

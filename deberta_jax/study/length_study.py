@@ -251,11 +251,12 @@ def check_dense_memory(models: Sequence[EvalModel], settings: StudySettings, ava
 
 
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
-              corpora: dict | None = None):
+              corpora: dict | None = None, warnings: list[str] | None = None):
     """Score every model on every dataset; returns (records, skipped).
 
     `corpora` caches the tokenized, masked eval streams per (dataset, tokenizer); pass the same dict
-    to calls that score models one at a time so each stream is built once.
+    to calls that score models one at a time so each stream is built once. What makes a result doubtful (a text
+    the tokenizer cannot read) is logged and appended to `warnings`, for the report's summary.
     """
     check_dense_memory(models, settings, device_memory_bytes())
     records, skipped = [], []
@@ -280,9 +281,11 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
             corpus = corpora[key]
             unknown = float(np.mean(corpus.tokens == corpus.special.unk))
             if unknown > UNKNOWN_TOKEN_WARNING:
-                logging.warning("%s: %.1f%% of its tokens are [UNK] under %s's tokenizer, whose vocabulary does not "
-                                "cover this text; its scores measure a text the model cannot read", dataset,
-                                100 * unknown, em.label)
+                warning = (f"{dataset}: {100 * unknown:.1f}% of its tokens are [UNK] under {em.label}'s tokenizer, "
+                           "whose vocabulary does not cover this text; its scores measure a text the model cannot read")
+                logging.warning("%s", warning)
+                if warnings is not None:
+                    warnings.append(warning)
             if not corpus.targets.any():
                 raise ValueError(
                     f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss would "
