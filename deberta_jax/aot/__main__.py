@@ -62,7 +62,7 @@ def describe(report: analysis.ProgramReport) -> str:
         + (f"; {cost.loops} while loops, whose bodies XLA counts once" if cost.loops else ""),
         f"  roofline      {line.seconds * 1e3:.2f} ms ({line.bound}-bound: compute {line.compute_s * 1e3:.2f}, "
         f"HBM {line.memory_s * 1e3:.2f}, ICI {line.ici_s * 1e3:.2f} ms) -> {report.tokens_per_s:,.0f} tokens/s, "
-        f"MFU {report.mfu:.1%}",
+        f"MFU ceiling {report.mfu:.1%}",
     ])
 
 
