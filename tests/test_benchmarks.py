@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end on a micro model and report what their docstrings promise;
-the FLOP count behind MFU matches the issue's figure for BERT tiny at length 128."""
+the FLOP count behind MFU matches the conventional figure for BERT tiny at length 128 (head at every position)."""
 
 import json
 import os
@@ -24,7 +24,7 @@ def run_script(name: str, *args: str) -> str:
 
 def test_flops_per_token_of_bert_tiny():
     cfg, _ = train_step.model_config("bert", "tiny", 128, None, "dense", 512)
-    # Forward + backward with the head at every position: the issue's "about 33 MFLOP per token".
+    # Forward + backward with the head at every position: the conventional "about 33 MFLOP per token".
     assert 3 * train_step.model_flops_per_token(cfg, 128, 16, head_everywhere=True) == pytest.approx(33.4e6, rel=0.01)
     # Our step scores only the masked positions' budget (about a quarter of them).
     assert 3 * train_step.model_flops_per_token(cfg, 128, 16) == pytest.approx(23.7e6, rel=0.01)

@@ -12,7 +12,8 @@ scale only large effects are visible, which is why the report gives intervals ov
 at this size (1,500 steps) showed why 800: DeBERTa leaves the unigram plateau by step 500 and is
 still improving, while BERT is still on it at 1,500, so more steps would not change that contrast.
 
-`:cpu` (default) is the set the ablation issue asks for, plus NoPE as a floor. `:full` adds the rest
+`:cpu` (default) is the core comparison (DeBERTa's Table 4 removals and the length literature's schemes), plus
+NoPE as a floor. `:full` adds the rest
 of the paper's Table 4 and the other position options (about 1.7x the cost).
 The variants are `configs/sweeps/variants.py`'s.
 """
