@@ -51,6 +51,11 @@ flags.DEFINE_list("extra", _csv(_DEFAULTS.extra), "Also evaluate at L + each of 
 flags.DEFINE_list("policies", _csv(_DEFAULTS.policies),
                   f"Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table), "
                   f"of {ABSOLUTE_POSITION_POLICIES}.")
+flags.DEFINE_list("methods", _csv(_DEFAULTS.methods),
+                  f"Also score every trained model past its training length under each of these, of "
+                  f"{tuple(length_study.LENGTH_METHODS)} (labelled <model>+<method>): log_length scales each query's "
+                  "scores by log(keys seen) / log(L), window attends to the L positions around each query, "
+                  "interpolate_distances multiplies relative distances by L / N.")
 flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {length_study.PROTOCOLS}.")
 flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
 flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,
@@ -138,7 +143,7 @@ def main(argv):
         usage_error(str(err))
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
-        protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
+        methods=tuple(FLAGS.methods), protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
         max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
         bootstrap=FLAGS.bootstrap)
     for length in settings.lengths:

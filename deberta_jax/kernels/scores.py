@@ -5,11 +5,15 @@
   - `c2p` `[B, H, Nq, R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk, R]` (`k_j . Qr[r]`): DeBERTa's content-to-position
     and position-to-content products with the R reachable rows of the relative table, and `relative`, the row
     for each distance `i - j` (a static `RelativeIndex`);
-  - `bias` `[H, Nq + Nk - 1]`: an additive bias per distance (ALiBi, T5).
+  - `bias` `[H, Nq + Nk - 1]`: an additive bias per distance (ALiBi, T5);
+  - `temperature` `[B, 1, Nq, 1]`: a factor per query on its whole score row (length-aware attention), and
+    `window`: how many positions around each query it may attend to (0: all; see `window_starts`).
 The score is, for every variant,
 
-    A[i, j] = (q_i . k_j + c2p[i, idx(i - j)] + p2c[j, idx(i - j)]) / sqrt(d * (1 + number of position terms))
-              + bias[i - j]
+    A[i, j] = t_i * ((q_i . k_j + c2p[i, idx(i - j)] + p2c[j, idx(i - j)]) / sqrt(d * (1 + number of position terms))
+                     + bias[i - j])
+
+with `t_i = 1` without a temperature, and keys outside query i's window masked like padding.
 
 (BERT, NoPE and RoPE have neither position term nor bias; DeBERTa's terms are off one by one in the ablations).
 `combine_scores` writes that formula once and `mask_keys` the key-masking rule; the dense and blockwise kernels
@@ -59,10 +63,29 @@ def toeplitz(table, query_positions, key_positions, key_len: int):
     return jnp.take(jnp.asarray(table), index, axis=-1)
 
 
-def combine_scores(dot, relative, bias, divisor: float):
-    """The score formula: `(q.k + position terms) / divisor + bias`, with `relative` 0 and `bias` None when absent."""
+def combine_scores(dot, relative, bias, divisor: float, temperature=None):
+    """The score formula: `temperature * ((q.k + position terms) / divisor + bias)`, with `relative` 0 and `bias`,
+    `temperature` None when absent."""
     scores = (dot + relative) / jnp.asarray(divisor, jnp.result_type(dot))
-    return scores if bias is None else scores + bias
+    scores = scores if bias is None else scores + bias
+    return scores if temperature is None else scores * temperature.astype(scores.dtype)
+
+
+def window_starts(query_len: int, key_len: int, window: int) -> np.ndarray:
+    """First key position of each query's window of `window` consecutive positions (int32 `[query_len]`).
+
+    Centered (`window // 2` positions before the query) and shifted at either end so that it stays inside the
+    `key_len` positions: every query of a row of at least `window` positions sees exactly `window` of them, as a
+    query does in training at that length, and a row of at most `window` positions is attended whole.
+    """
+    return np.clip(np.arange(query_len) - window // 2, 0, max(key_len - window, 0)).astype(np.int32)
+
+
+def in_window(query_len: int, key_len: int, window: int, key_positions):
+    """`[query_len, nk]` bool: whether each key (at `key_positions`, numpy or traced) is inside each query's window."""
+    start = window_starts(query_len, key_len, window)[:, None]
+    lib = np if isinstance(key_positions, np.ndarray) else jnp
+    return lib.logical_and(key_positions[None, :] >= start, key_positions[None, :] < start + window)
 
 
 def mask_keys(scores, real, in_range=None):
@@ -99,8 +122,10 @@ class ScoreTerms:
     # (p2c), for `shifted_relative_terms` (every query against every key, the dense kernel).
     pos_key: jax.Array | None = None
     pos_query: jax.Array | None = None
+    temperature: jax.Array | None = None  # [B, 1, Nq, 1]: query side, like q
     relative: RelativeIndex | None = dataclasses.field(default=None, metadata=dict(static=True))
     key_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # Nk of the whole sequence
+    window: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: every key
 
     @property
     def num_position_terms(self) -> int:
@@ -133,10 +158,14 @@ class ScoreTerms:
         elif self.relative is not None:
             relative = banded_relative_terms(self.c2p, self.p2c, self.relative.by_distance, key_positions,
                                              self.key_len)
+        n_q = self.q.shape[-2]
         bias = None
         if self.bias is not None:
-            bias = toeplitz(self.bias, np.arange(self.q.shape[-2]), key_positions, self.key_len)
-        return combine_scores(dot, relative, bias, self.divisor)
+            bias = toeplitz(self.bias, np.arange(n_q), key_positions, self.key_len)
+        scores = combine_scores(dot, relative, bias, self.divisor, self.temperature)
+        if self.window and self.window < self.key_len:
+            scores = jnp.where(in_window(n_q, self.key_len, self.window, key_positions), scores, NEG_INF)
+        return scores
 
 
 # ----------------------------------------------------------------------------------------- DeBERTa's gathers

@@ -36,6 +36,8 @@ class PositionContext:
       case a learned table reads those rows directly instead of applying the out-of-range policy;
     - `bias` `[H, 2N - 1]`: score bias added by ALiBi and T5 per distance `i - j`
       (`kernels.scores.distances`), else None;
+    - `temperature` `[B, 1, N, 1]`: the factor on each query's scores (`ModelConfig.attention_temperature`), else
+      None;
     - `rel_embeddings` / `relative` (disentangled): the (LayerNorm'd) relative-table rows `[R, hidden]`
       that the current length can reach, and the row for each distance `i - j` (`RelativeIndex`).
       Projecting only reachable rows keeps short sequences from paying for the whole 2k-row table.
@@ -48,6 +50,7 @@ class PositionContext:
     bias: jax.Array | None = None
     rel_embeddings: jax.Array | None = None
     relative: RelativeIndex | None = None
+    temperature: jax.Array | None = None
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -114,7 +117,7 @@ class SelfAttention(nnx.Module):
         q = split_heads(self.query_proj(query_states), cfg.num_heads)
         k = split_heads(self.key_proj(hidden), cfg.num_heads)
         v = split_heads(self.value_proj(hidden), cfg.num_heads)
-        terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2])
+        terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2], temperature=ctx.temperature, window=cfg.attention_window)
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
             if cfg.attention_kernel == "dense" and cfg.relative_terms_for(jax.default_backend()) == "shift":
@@ -125,7 +128,7 @@ class SelfAttention(nnx.Module):
                     c2p=None if pos_k is None else relative_products(q, pos_k),
                     p2c=None if pos_q is None else relative_products(k, pos_q))
         elif cfg.attention == "rope":
-            ids = ctx.position_ids[:, None]  # [1 or B, 1, N] against [B, H, N, d]
+            ids = ctx.position_ids[:, None] * cfg.distance_scale(k.shape[-2])  # [1 or B, 1, N] against [B, H, N, d]
             terms = dataclasses.replace(terms, q=positions.apply_rope(q, ids, cfg.rope_theta),
                                         k=positions.apply_rope(k, ids, cfg.rope_theta))
         if ctx.bias is not None:

@@ -34,6 +34,10 @@ COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan
 # entry from the products with the reachable relative rows; "shift" multiplies by the rows expanded per distance and
 # shifts the result into place; "auto" is "shift" on TPU and GPU, "gather" on CPU (`relative_terms_for`).
 RELATIVE_TERMS = ("auto", "gather", "shift")
+# What the relative schemes do with distances past the training length (`ModelConfig.distance_scale`).
+RELATIVE_POSITION_POLICIES = ("exact", "interpolate")
+# Attention temperature as a function of how many keys a query sees (`ModelConfig.attention_temperature`).
+ATTENTION_TEMPERATURES = ("none", "log_length")
 
 
 class ConfigError(ValueError):
@@ -103,6 +107,25 @@ class ModelConfig:
     to float rounding, by gathers or by matrix products and a relative shift. The model resolves "auto" for the
     backend it is traced on (`relative_terms_for`); compiling for another target (`deberta_jax.aot`) sets it.
 
+    Three options change what attention does past the training length `L` (`effective_trained_length`), and
+    leave every sequence of up to `L` tokens exactly as it was:
+      - `attention_temperature="log_length"` multiplies every score of query i (the bias included) by
+        `max(1, log(n_i) / log(L))`, `n_i` the number of real keys it may attend to (within `attention_window`
+        when set): the "log-n" scaling that keeps the entropy of a softmax over n keys from growing with n
+        (Chiang and Cholak 2022; Scalable-Softmax, Nakanishi 2025, with a fixed rather than learned slope). The
+        floor at 1 keeps the scores of rows up to `L` tokens, so a model trains identically with or without it
+        and evaluates identically at 1x; it is set in training only so the run's config carries it.
+      - `attention_window=W` (0: every key) lets each query attend only to the W consecutive positions around
+        it, centered (`W // 2` before it) and shifted at either end of the row so that every query of a row of
+        at least W positions sees exactly W of them: sliding-window evaluation (LeX, Sun et al. 2023), which at
+        `W = L` never shows a model a distance or a key count it was not trained on, and equals full attention
+        on rows of up to W tokens.
+      - `relative_position_policy="interpolate"` multiplies every distance `i - j` by `L / N` on a sequence of
+        `N > L` tokens, rounded to an integer before DeBERTa's log-bucketing and T5's buckets, unrounded for
+        ALiBi's slopes and RoPE's angles (position interpolation, Chen et al. 2023): a longer sequence spans
+        the distances of the training length, at a finer grain. "exact" keeps the distances as they are.
+    None of them changes a parameter, so `encoder.with_options` sets them on a trained model.
+
     `layer_norm_placement` is where each layer normalizes: "post" (BERT and DeBERTa as published, so
     their checkpoints load) normalizes after each residual add; "pre" (Xiong et al. 2020) normalizes each
     sub-layer's input and the final output, leaving the residual stream unnormalized, which trains
@@ -159,6 +182,9 @@ class ModelConfig:
     remat: str = "none"
     scan_layers: bool = False
     relative_terms: str = "auto"
+    attention_temperature: str = "none"
+    attention_window: int = 0
+    relative_position_policy: str = "exact"
 
     def __post_init__(self):
         # Accept lists and "c2p|p2c" strings (transformers' spelling) but store a sorted tuple so
@@ -196,6 +222,14 @@ class ModelConfig:
     def trained_positions(self) -> int:
         """Absolute positions `0..trained_positions-1` that training reaches (where the policy starts)."""
         return self.random_position_max if self.randomized_positions else self.effective_trained_length
+
+    def distance_scale(self, seq_len: int) -> float:
+        """The factor on every relative distance (`relative_position_policy`): `L / N` when interpolating a
+        sequence of `N > L` tokens, else 1."""
+        trained = self.effective_trained_length
+        if self.relative_position_policy == "interpolate" and seq_len > trained:
+            return trained / seq_len
+        return 1.0
 
     def relative_terms_for(self, backend: str) -> str:
         """`relative_terms` resolved for a backend ("cpu", "gpu", "tpu"): "auto" is "gather" on CPU, where it is
@@ -308,6 +342,25 @@ class ModelConfig:
             _fail("dtype", self.dtype, f"choose one of {DTYPES}")
         if self.relative_terms not in RELATIVE_TERMS:
             _fail("relative_terms", self.relative_terms, f"choose one of {RELATIVE_TERMS}")
+        if self.attention_temperature not in ATTENTION_TEMPERATURES:
+            _fail("attention_temperature", self.attention_temperature, f"choose one of {ATTENTION_TEMPERATURES}")
+        if self.attention_temperature == "log_length" and self.effective_trained_length < 2:
+            _fail("attention_temperature", self.attention_temperature,
+                  "divides by log(trained_length), which needs trained_length >= 2")
+        if self.attention_window < 0 or self.attention_window == 1:
+            _fail("attention_window", self.attention_window,
+                  "use 0 (every key) or the number of positions each query sees, >= 2 (e.g. the training length)")
+        if self.relative_position_policy not in RELATIVE_POSITION_POLICIES:
+            _fail("relative_position_policy", self.relative_position_policy,
+                  f"choose one of {RELATIVE_POSITION_POLICIES}")
+        if self.relative_position_policy == "interpolate" and self.attention == "entangled":
+            _fail("relative_position_policy", self.relative_position_policy,
+                  "scales relative distances, and attention='entangled' has none; for a learned absolute table "
+                  "use absolute_position_policy='interpolate'")
+        if self.attention_kernel == "pallas" and (self.attention_window or self.attention_temperature != "none"):
+            _fail("attention_kernel", self.attention_kernel,
+                  "the fused Pallas kernel implements neither attention_window nor attention_temperature; "
+                  "use attention_kernel='dense' or 'blockwise' with them")
         if self.remat not in REMAT_POLICIES:
             _fail("remat", self.remat, f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
 

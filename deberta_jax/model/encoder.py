@@ -132,13 +132,15 @@ class Encoder(nnx.Module):
         else:
             self.relative_attention_bias = None
 
-    def position_context(self, batch: int, seq_len: int, rngs=None) -> PositionContext:
-        """Positions, score bias and reachable relative rows for a `[batch, seq_len]` forward pass.
+    def position_context(self, batch: int, seq_len: int, rngs=None, key_mask=None) -> PositionContext:
+        """Positions, score bias, reachable relative rows and attention temperature for a `[batch, seq_len]`
+        forward pass (`key_mask` `[batch, seq_len]`, all real when None, counts the keys for the temperature).
 
         With `randomized_positions` and `rngs` (training) the positions are sampled from the dropout
-        stream; otherwise they are `0..N-1`.
+        stream; otherwise they are `0..N-1`. Distances are scaled by `cfg.distance_scale(seq_len)`.
         """
         cfg = self.cfg
+        scale = cfg.distance_scale(seq_len)
         sampled = cfg.randomized_positions and rngs is not None
         if sampled:
             ids = positions.random_positions(rngs.dropout(), batch, seq_len, cfg.random_position_max)
@@ -146,20 +148,24 @@ class Encoder(nnx.Module):
             ids = np.arange(seq_len, dtype=np.int32)[None]
         bias = rel_embeddings = relative = None
         if cfg.attention == "alibi":
-            bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads)
+            bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads, scale)
         elif cfg.attention == "t5_bias":
-            bias = positions.t5_bias(self.relative_attention_bias[...], seq_len, seq_len, cfg.t5_max_distance)
+            bias = positions.t5_bias(self.relative_attention_bias[...], seq_len, seq_len, cfg.t5_max_distance, scale)
         elif cfg.attention == "disentangled":
             kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
-                      clamp=cfg.clamp_relative_positions)
+                      clamp=cfg.clamp_relative_positions, scale=scale)
             lo, hi = positions.relative_rows_used(seq_len, seq_len, **kw)
             rel_embeddings = self.rel_embeddings[...][lo:hi]
             if self.rel_norm is not None:
                 # Row-wise, so normalizing a slice equals slicing the normalized table.
                 rel_embeddings = self.rel_norm(rel_embeddings)
             relative = RelativeIndex(positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo)
+        temperature = None
+        if cfg.attention_temperature == "log_length":
+            mask = np.ones((batch, seq_len), np.int32) if key_mask is None else key_mask
+            temperature = positions.length_temperature(mask, cfg.attention_window, cfg.effective_trained_length)
         return PositionContext(position_ids=ids, sampled=sampled, bias=bias,
-                               rel_embeddings=rel_embeddings, relative=relative)
+                               rel_embeddings=rel_embeddings, relative=relative, temperature=temperature)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:
         """Run the first `num_layers` layers (all by default), as a loop or a `lax.scan` (`cfg.scan_layers`),
@@ -210,7 +216,7 @@ class MaskedLM(nnx.Module):
         """Final hidden states `[B, N, hidden]` (float32) that the MLM head reads."""
         cfg = self.cfg
         input_ids, key_mask, token_type_ids = check_inputs(cfg, input_ids, attention_mask, token_type_ids)
-        ctx = self.encoder.position_context(*input_ids.shape, rngs=rngs)
+        ctx = self.encoder.position_context(*input_ids.shape, rngs=rngs, key_mask=key_mask)
         hidden = self.embeddings(input_ids, key_mask, token_type_ids, ctx, rngs)
         if not cfg.use_emd:
             return self._close(self.encoder(hidden, key_mask, ctx, rngs=rngs))
@@ -268,7 +274,7 @@ def with_options(model: MaskedLM, **fields) -> MaskedLM:
             a.shape != b.shape for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state))):
         raise ValueError(f"with_options({', '.join(sorted(fields))}) changes the model's parameters; only fields "
                          "that leave them as they are can be replaced (kernel, block size, remat, layer scan, relative "
-                         "terms, position policy, clamp)")
+                         "terms, position policies, clamp, attention temperature and window)")
     return nnx.merge(graphdef, state)
 
 def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):

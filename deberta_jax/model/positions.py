@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deberta_jax.kernels.scores import distances, toeplitz
+from deberta_jax.kernels.scores import distances, toeplitz, window_starts
 
 
 def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: int) -> np.ndarray:
@@ -49,6 +49,7 @@ def relative_index_by_distance(
     position_buckets: int,
     max_relative_positions: int,
     clamp: bool = True,
+    scale: float = 1.0,
 ) -> np.ndarray:
     """Row of the `2k`-row relative table used at each distance `i - j` (see `distances`): `bucket(i - j) + k`.
 
@@ -62,8 +63,10 @@ def relative_index_by_distance(
     `clamp=False` (transformers) distances are not clamped, and the final clip to `[0, 2k - 1]` sends
     `j - i >= max_relative_positions` to row 0, which no in-range distance ever uses and so was never
     trained. Either way the index is always valid: never NaN rows.
+
+    `scale` (`ModelConfig.distance_scale`) multiplies every distance first, rounded to the nearest integer.
     """
-    rel = distances(query_len, key_len)
+    rel = scaled_distances(query_len, key_len, scale)
     if clamp:
         rel = np.clip(rel, -(max_relative_positions - 1), max_relative_positions - 1)
     if position_buckets > 0:
@@ -72,6 +75,30 @@ def relative_index_by_distance(
     index = np.clip(rel + span, 0, 2 * span - 1).astype(np.int32)
     index.setflags(write=False)  # cached: callers must not mutate it
     return index
+
+
+def scaled_distances(query_len: int, key_len: int, scale: float) -> np.ndarray:
+    """`distances` times `scale`, rounded to the nearest integer (the distances themselves at scale 1)."""
+    rel = distances(query_len, key_len)
+    return rel if scale == 1.0 else np.rint(rel * scale).astype(np.int32)
+
+
+def length_temperature(key_mask: jax.Array, window: int, trained_length: int) -> jax.Array:
+    """`max(1, log(n_i) / log(trained_length))` per query, `[B, 1, N, 1]` float32 (`ModelConfig.attention_temperature`).
+
+    `n_i` is the number of real keys (`key_mask` `[B, N]`, 1 = real) query i may attend to: every real key of
+    its row, or those inside its window of `window` positions (`scores.window_starts`) when `window` is set.
+    """
+    mask = jnp.asarray(key_mask, jnp.float32)
+    n = mask.shape[-1]
+    counts = jnp.cumsum(jnp.pad(mask, [(0, 0), (1, 0)]), axis=-1)  # counts[:, p]: real keys before position p
+    if window and window < n:
+        starts = window_starts(n, n, window)
+        visible = counts[:, starts + window] - counts[:, starts]
+    else:
+        visible = jnp.broadcast_to(counts[:, -1:], mask.shape)
+    ratio = jnp.log(jnp.maximum(visible, 1.0)) / np.float32(math.log(trained_length))
+    return jnp.maximum(ratio, 1.0)[:, None, :, None]
 
 
 def relative_index(query_len: int, key_len: int, **kw) -> np.ndarray:
@@ -176,14 +203,15 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, np.float32)
 
 
-def alibi_bias(query_len: int, key_len: int, num_heads: int) -> jax.Array:
+def alibi_bias(query_len: int, key_len: int, num_heads: int, scale: float = 1.0) -> jax.Array:
     """Symmetric ALiBi score bias `-m_h * |i - j|` per distance, float32 `[num_heads, query_len + key_len - 1]`
     (expand with `toeplitz`).
 
     Press et al. define ALiBi for causal decoders (`j <= i`); a bidirectional encoder sees keys on both
-    sides, and the symmetric form penalizes distance in either direction alike.
+    sides, and the symmetric form penalizes distance in either direction alike. `scale` multiplies every distance
+    (`ModelConfig.distance_scale`).
     """
-    distance = np.abs(distances(query_len, key_len)).astype(np.float32)
+    distance = np.abs(distances(query_len, key_len)).astype(np.float32) * np.float32(scale)
     return -jnp.asarray(alibi_slopes(num_heads))[:, None] * distance
 
 
@@ -207,10 +235,10 @@ def t5_relative_bucket(rel: np.ndarray, num_buckets: int, max_distance: int) -> 
     return (bucket + np.where(rel < 0, half, 0)).astype(np.int32)
 
 
-def t5_bias(table: jax.Array, query_len: int, key_len: int, max_distance: int) -> jax.Array:
+def t5_bias(table: jax.Array, query_len: int, key_len: int, max_distance: int, scale: float = 1.0) -> jax.Array:
     """Score bias per distance `[H, query_len + key_len - 1]` (expand with `toeplitz`), read from a
-    learned `[num_buckets, H]` table by T5 bucket."""
-    bucket = t5_relative_bucket(distances(query_len, key_len), table.shape[0], max_distance)
+    learned `[num_buckets, H]` table by T5 bucket of each distance times `scale` (`scaled_distances`)."""
+    bucket = t5_relative_bucket(scaled_distances(query_len, key_len, scale), table.shape[0], max_distance)
     return jnp.take(table, bucket, axis=0).T
 
 

@@ -29,6 +29,18 @@ from deberta_jax.study import scoring
 from deberta_jax.study.reference import OracleModel, UnigramModel
 from deberta_jax.train import checkpoint
 
+# Ways of running a trained model past its training length, each a set of `ModelConfig` options that change no
+# parameter (`encoder.with_options`), made from the model's config; None where the method has nothing to act on.
+# The study scores each requested method as another model, labelled `<label>+<method>`.
+LENGTH_METHODS = {
+    # Scores scaled by log(keys seen) / log(L): attention as sharp over 8L keys as over L.
+    "log_length": lambda cfg: dict(attention_temperature="log_length"),
+    # Every query attends to the L positions around it: no unseen distance or key count.
+    "window": lambda cfg: dict(attention_window=cfg.effective_trained_length),
+    # Distances times L / N: a longer sequence spans the trained distances (absolute tables have their policies).
+    "interpolate_distances": lambda cfg: None if cfg.attention == "entangled" else dict(
+        relative_position_policy="interpolate"),
+}
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
 DEFAULT_EXTRA = (16, 64)
 PROTOCOLS = ("chunked", "fixed_target")
@@ -82,6 +94,23 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
                      model.cfg.max_position_embeddings)
 
 
+def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[EvalModel]:
+    """`models` followed by each trained model under each of `methods` (`LENGTH_METHODS`) that applies to it,
+    labelled `<label>+<method>`; the parameters are shared, not copied."""
+    out = list(models)
+    for em in models:
+        if not isinstance(em.model, MaskedLM):
+            continue
+        for name in methods:
+            options = LENGTH_METHODS[name](em.model.cfg)
+            if options is None:
+                logging.info("%s: length method %r does not apply (attention=%r)", em.label, name,
+                             em.model.cfg.attention)
+                continue
+            out.append(dataclasses.replace(em, label=f"{em.label}+{name}", model=with_options(em.model, **options)))
+    return out
+
+
 def unigram_reference(em: EvalModel) -> EvalModel:
     """The unigram floor for a trained run: counts from its own training files and tokenizer."""
     config = checkpoint.read_config(em.source)
@@ -120,6 +149,7 @@ class StudySettings:
     span: int = 0  # fixed-target span; 0 = train_len // 4
     bootstrap: int = 1000
     buckets_per_train_len: int = 8
+    methods: tuple[str, ...] = ()  # of LENGTH_METHODS, each scored besides the model as trained
 
     def __post_init__(self):
         for p in self.policies:
@@ -134,6 +164,9 @@ class StudySettings:
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
             raise ValueError("multiples must be positive")
+        for m in self.methods:
+            if m not in LENGTH_METHODS:
+                raise ValueError(f"methods: unknown length method {m!r}; choose from {tuple(LENGTH_METHODS)}")
 
     def lengths_for(self, train_len: int) -> list[int]:
         if self.lengths:
@@ -258,6 +291,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     to calls that score models one at a time so each stream is built once. What makes a result doubtful (a text
     the tokenizer cannot read) is logged and appended to `warnings`, for the report's summary.
     """
+    models = with_methods(models, settings.methods)
     check_dense_memory(models, settings, device_memory_bytes())
     records, skipped = [], []
     corpora = {} if corpora is None else corpora

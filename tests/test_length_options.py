@@ -1,0 +1,224 @@
+"""Options for running past the training length: log-length attention temperature, sliding windows, interpolated
+relative distances, and the length study's methods built on them.
+
+Each option must leave sequences of up to the training length exactly as they were (so a model trained without it
+evaluates the same at 1x), and past it must do what its docstring says: checked against a naive per-(i, j) loop,
+across kernels, and on hand-computed values.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from deberta_jax.kernels.blockwise import blockwise_attention
+from deberta_jax.kernels.dense import dense_attention
+from deberta_jax.kernels.scores import NEG_INF, RelativeIndex, ScoreTerms, window_starts
+from deberta_jax.model import positions
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.encoder import MaskedLM, with_options
+from deberta_jax.study import length_study
+
+TRAIN_LEN = 16
+BASE = dict(vocab_size=60, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, hidden_dropout=0.0,
+            attention_dropout=0.0, max_position_embeddings=32, trained_length=TRAIN_LEN)
+SCHEMES = {
+    "deberta": dict(BASE, attention="disentangled", position_buckets=8, max_relative_positions=16),
+    "deberta_emd": dict(BASE, attention="disentangled", position_buckets=8, max_relative_positions=16, use_emd=True,
+                        absolute_position_policy="clip"),
+    "bert": dict(BASE, attention="entangled", position_biased_input=True, absolute_position_policy="clip"),
+    "rope": dict(BASE, attention="rope"),
+    "alibi": dict(BASE, attention="alibi"),
+    "t5_bias": dict(BASE, attention="t5_bias", t5_num_buckets=8, t5_max_distance=20),
+}
+
+
+def build(name):
+    model = MaskedLM(ModelConfig(**SCHEMES[name]), rngs=nnx.Rngs(0))
+    # Non-zero biases and LayerNorm offsets, so that no term hides behind an initial zero.
+    leaves, tree = jax.tree.flatten(nnx.state(model))
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    noisy = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(tree, noisy))
+    return model
+
+
+def batch(n, b=2, seed=0, pad=0):
+    ids = np.random.default_rng(seed).integers(5, 60, size=(b, n)).astype(np.int32)
+    mask = np.ones((b, n), np.int32)
+    if pad:
+        mask[-1, n - pad:] = 0
+    return ids, mask
+
+
+def encode(model, n, **kw):
+    return np.asarray(model.encode(*batch(n, **kw)))
+
+
+# --------------------------------------------------------------------------- hand-computed values
+def test_window_starts_are_centered_and_shifted_inside_the_row():
+    np.testing.assert_array_equal(window_starts(10, 10, 4), [0, 0, 0, 1, 2, 3, 4, 5, 6, 6])
+    np.testing.assert_array_equal(window_starts(3, 3, 4), [0, 0, 0])  # a row shorter than the window: all of it
+
+
+def test_length_temperature_counts_the_real_keys_each_query_sees():
+    mask = np.array([[1, 1, 1, 1, 1, 1, 0, 0]])
+    full = np.asarray(positions.length_temperature(mask, 0, 4))[0, 0, :, 0]
+    np.testing.assert_allclose(full, np.full(8, math.log(6) / math.log(4)), rtol=1e-6)
+    # Window 5: starts [0, 0, 0, 1, 2, 3, 3, 3]; real keys in [s, s + 5) of [1, 1, 1, 1, 1, 1, 0, 0], floored at 1.
+    windowed = np.asarray(positions.length_temperature(mask, 5, 4))[0, 0, :, 0]
+    np.testing.assert_allclose(windowed, np.maximum(np.log([5, 5, 5, 5, 4, 3, 3, 3]) / math.log(4), 1), rtol=1e-6)
+
+
+def test_interpolated_distances_reach_only_the_rows_of_the_training_length():
+    kw = dict(position_buckets=8, max_relative_positions=64, clamp=True)
+    n = 4 * TRAIN_LEN
+    assert positions.relative_rows_used(n, n, **kw) != positions.relative_rows_used(TRAIN_LEN, TRAIN_LEN, **kw)
+    # Distances up to n - 1 times L / n round to at most L: the rows of a sequence one longer than L.
+    assert (positions.relative_rows_used(n, n, **kw, scale=TRAIN_LEN / n)
+            == positions.relative_rows_used(TRAIN_LEN + 1, TRAIN_LEN + 1, **kw))
+    np.testing.assert_allclose(np.asarray(positions.alibi_bias(5, 5, 2, 0.5)),
+                               0.5 * np.asarray(positions.alibi_bias(5, 5, 2)), rtol=1e-6)
+
+
+def test_distance_scale_is_one_up_to_the_training_length():
+    cfg = ModelConfig(**SCHEMES["deberta"], relative_position_policy="interpolate")
+    assert cfg.distance_scale(TRAIN_LEN) == 1.0 and cfg.distance_scale(8) == 1.0
+    assert cfg.distance_scale(4 * TRAIN_LEN) == 0.25
+    assert ModelConfig(**SCHEMES["deberta"]).distance_scale(4 * TRAIN_LEN) == 1.0
+
+
+# --------------------------------------------------------------------------- the kernels against a naive loop
+def naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask):
+    """Every (b, h, i, j) score written out from the module docstring of `kernels.scores`, in float64."""
+    q, k, v, c2p, p2c, bias, temperature = (np.asarray(x, np.float64) for x in (q, k, v, c2p, p2c, bias, temperature))
+    b_, h_, n, d = q.shape
+    starts = window_starts(n, n, window)
+    out = np.zeros_like(q)
+    for b in range(b_):
+        for h in range(h_):
+            scores = np.empty((n, n))
+            for i in range(n):
+                for j in range(n):
+                    row = index[i - j + n - 1]
+                    s = (q[b, h, i] @ k[b, h, j] + c2p[b, h, i, row] + p2c[b, h, j, row]) / math.sqrt(3 * d)
+                    s = temperature[b, 0, i, 0] * (s + bias[h, i - j + n - 1])
+                    visible = key_mask[b, j] and starts[i] <= j < starts[i] + window
+                    scores[i, j] = s if visible else NEG_INF
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, h] = (p / p.sum(-1, keepdims=True)) @ v[b, h]
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["dense", "blockwise"])
+def test_kernels_with_temperature_window_and_padding_match_a_naive_loop(kernel):
+    b, h, n, d, r = 2, 2, 12, 4, 9
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=(b, h, n, d)).astype(np.float32) for _ in range(3))
+    c2p, p2c = (rng.normal(size=(b, h, n, r)).astype(np.float32) for _ in range(2))
+    bias = rng.normal(size=(h, 2 * n - 1)).astype(np.float32)
+    index = rng.integers(0, r, size=2 * n - 1).astype(np.int32)
+    key_mask = np.ones((b, n), np.int32)
+    key_mask[1, 9:] = 0
+    window = 5
+    temperature = positions.length_temperature(key_mask, window, 4)
+    terms = ScoreTerms(q=jnp.asarray(q), k=jnp.asarray(k), c2p=jnp.asarray(c2p), p2c=jnp.asarray(p2c),
+                       bias=jnp.asarray(bias), temperature=temperature, relative=RelativeIndex(index), key_len=n,
+                       window=window)
+    run = dense_attention if kernel == "dense" else (lambda *a: blockwise_attention(*a, block_size=5))
+    expected = naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask)
+    np.testing.assert_allclose(np.asarray(run(terms, jnp.asarray(v), jnp.asarray(key_mask))), expected, atol=2e-5)
+
+
+def test_blockwise_gradients_match_dense_with_temperature_and_window():
+    model = build("deberta")
+    ids, mask = batch(3 * TRAIN_LEN, pad=5)
+
+    def loss(m):
+        return jnp.sum(m.encode(ids, mask) ** 2)
+
+    options = dict(attention_temperature="log_length", attention_window=TRAIN_LEN)
+    dense_grads = nnx.grad(loss)(with_options(model, **options))
+    block_grads = nnx.grad(loss)(with_options(model, **options, attention_kernel="blockwise",
+                                              attention_block_size=8))
+    for a, g in zip(jax.tree.leaves(dense_grads), jax.tree.leaves(block_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=2e-4, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- models: unchanged up to L, changed past it
+OPTIONS = {
+    "log_length": dict(attention_temperature="log_length"),
+    "window": dict(attention_window=TRAIN_LEN),
+    "interpolate": dict(relative_position_policy="interpolate"),
+}
+
+
+@pytest.mark.parametrize("scheme, option", [(scheme, option) for option in OPTIONS for scheme in SCHEMES
+                                            if option != "interpolate" or scheme != "bert"])
+def test_every_option_leaves_the_training_length_unchanged_and_acts_past_it(scheme, option):
+    model = build(scheme)
+    changed = with_options(model, **OPTIONS[option])
+    for n in (TRAIN_LEN, TRAIN_LEN // 2):  # full rows of L tokens, and shorter ones
+        np.testing.assert_array_equal(encode(changed, n), encode(model, n))
+    long, expected = encode(changed, 4 * TRAIN_LEN), encode(model, 4 * TRAIN_LEN)
+    assert np.isfinite(long).all()
+    assert np.abs(long - expected).max() > 1e-3
+
+
+def test_log_length_scales_scores_by_the_log_ratio_in_an_entangled_model():
+    """With no position term or bias, scaling every score by t equals scaling the queries by t."""
+    model = build("bert")
+    attention = model.encoder.layers[0].attention
+    x = jax.random.normal(jax.random.key(0), (1, 4 * TRAIN_LEN, 32))
+    key_mask = np.ones((1, 4 * TRAIN_LEN), np.int32)
+    cfg = ModelConfig(**SCHEMES["bert"], attention_temperature="log_length")
+    ctx = MaskedLM(cfg, rngs=nnx.Rngs(0)).encoder.position_context(1, 4 * TRAIN_LEN, key_mask=key_mask)
+    np.testing.assert_allclose(np.asarray(ctx.temperature), math.log(4 * TRAIN_LEN) / math.log(TRAIN_LEN), rtol=1e-6)
+    scaled = with_options(model, attention_temperature="log_length").encoder.layers[0].attention
+    out = scaled(x, key_mask, ctx)
+    by_hand = nnx.clone(attention)
+    factor = math.log(4 * TRAIN_LEN) / math.log(TRAIN_LEN)
+    by_hand.query_proj.kernel[...] = attention.query_proj.kernel[...] * factor
+    by_hand.query_proj.bias[...] = attention.query_proj.bias[...] * factor
+    plain = model.encoder.position_context(1, 4 * TRAIN_LEN)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(by_hand(x, key_mask, plain)), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_interpolation_rotates_by_the_scaled_positions():
+    model = build("rope")
+    n = 4 * TRAIN_LEN
+    x = jax.random.normal(jax.random.key(0), (1, n, 32))
+    key_mask = np.ones((1, n), np.int32)
+    ctx = model.encoder.position_context(1, n)
+    interpolated = with_options(model, relative_position_policy="interpolate").encoder.layers[0].attention
+    by_hand = dataclasses.replace(ctx, position_ids=np.arange(n, dtype=np.float32)[None] * TRAIN_LEN / n)
+    plain = model.encoder.layers[0].attention
+    np.testing.assert_allclose(np.asarray(interpolated(x, key_mask, ctx)), np.asarray(plain(x, key_mask, by_hand)),
+                               rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(plain(x, key_mask, ctx)), np.asarray(plain(x, key_mask, by_hand)), atol=1e-3)
+
+
+# --------------------------------------------------------------------------- validation and the study's methods
+@pytest.mark.parametrize("fields, name", [
+    (dict(attention="entangled", relative_position_policy="interpolate"), "relative_position_policy"),
+    (dict(attention_window=1), "attention_window"),
+    (dict(attention_temperature="cubic"), "attention_temperature"),
+    (dict(attention_kernel="pallas", attention_window=16), "attention_kernel"),
+    (dict(attention_kernel="pallas", attention_temperature="log_length"), "attention_kernel"),
+])
+def test_bad_length_options_are_refused_naming_the_field(fields, name):
+    with pytest.raises(ConfigError, match=f"model.{name}="):
+        ModelConfig(**dict(SCHEMES["deberta"], **fields))
+
+
+def test_the_study_scores_each_method_that_applies_as_its_own_model():
+    models = [length_study.EvalModel(name, 0, name, build(name), None, TRAIN_LEN) for name in ("deberta", "bert")]
+    labels = [em.label for em in length_study.with_methods(models, tuple(length_study.LENGTH_METHODS))]
+    assert labels == ["deberta", "bert", "deberta+log_length", "deberta+window", "deberta+interpolate_distances",
+                      "bert+log_length", "bert+window"]
+    with pytest.raises(ValueError, match="unknown length method"):
+        length_study.StudySettings(methods=("stretch",))
