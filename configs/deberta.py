@@ -25,7 +25,8 @@ def get_config(size: str = "tiny"):
     config.model.position_biased_input = False
     config.model.layer_norm_eps = 1e-7
     config.model.pos_att_type = "c2p|p2c"
-    config.model.max_relative_positions = seq_len
+    # A derived reference, not `seq_len` itself: overriding max_relative_positions must not move the training length.
+    config.model.max_relative_positions = seq_len.identity()
     config.model.position_buckets = seq_len // 2
     config.model.share_att_key = True
     config.model.norm_rel_ebd = "layer_norm"

@@ -48,6 +48,12 @@ def test_deberta_relative_table_follows_seq_len():
     assert (config.model.position_buckets, config.model.max_relative_positions) == (64, 128)
     config.data.seq_len = 256  # what --config.data.seq_len=256 does
     assert (config.model.position_buckets, config.model.max_relative_positions) == (128, 256)
+    # Overriding the table (the published v3 setting at a short training length) leaves the training length alone,
+    # whichever order the overrides come in.
+    config.update_from_flattened_dict({"model.position_buckets": 256, "model.max_relative_positions": 512})
+    assert (config.data.seq_len, config.model.position_buckets, config.model.max_relative_positions) == (256, 256, 512)
+    config.data.seq_len = 64
+    assert (config.data.seq_len, config.model.position_buckets, config.model.max_relative_positions) == (64, 256, 512)
 
 
 def test_unknown_size_is_rejected():
@@ -130,7 +136,7 @@ def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
     assert "/no/such/file.txt" not in result.stderr
 
 
-@pytest.mark.parametrize("arg", ["", "core", "smoke"])
+@pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "smoke"])
 def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
     from configs.sweeps import natural, variants
@@ -146,13 +152,19 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         config.data.seq_len = plan.seq_lens[0]
         validate(config, num_devices=1)
         resolved[variant.name] = config
-    expected = [v.name for v in variants.core()] if arg == "core" else natural.NAMES
+    expected = {"core": [v.name for v in variants.core()], "seeds": natural.SEED_NAMES,
+                "flat": ["deberta-emd", "deberta-emd-b256"]}.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
+    if arg == "flat":  # the published v3 table at the training length of the others
+        v3 = resolved["deberta-emd-b256"]
+        assert (v3.model.position_buckets, v3.model.max_relative_positions, v3.data.seq_len) == (256, 512, 64)
+    assert sweep.study_settings(plan).methods == tuple(plan.eval.methods)
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout, c.train.to_dict())
                for name, c in resolved.items()}
     assert len(set(map(repr, recipes.values()))) == 1  # one recipe for all
     if arg != "smoke":
-        assert recipes["bert"][:3] == (0.3, 0.0, 0.0) and resolved["bert"].train.learning_rate == 2e-3
+        first = next(iter(resolved.values()))
+        assert next(iter(recipes.values()))[:3] == (0.3, 0.0, 0.0) and first.train.learning_rate == 2e-3
 
 
 def test_natural_core_sweep_reuses_the_default_sweeps_runs():

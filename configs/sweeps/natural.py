@@ -16,6 +16,17 @@ relative-only model (no EMD, `deberta-emd` in Table 4's naming), so no absolute 
 Two seeds per variant (about 50 minutes of one CPU core each run); the seed sets the initialisation, the batch
 order and the masks, so the runs of one seed still share their batches.
 
+`:seeds` asks how often BERT learns its positions at this budget: BERT and NoPE at seeds 0-4 (NoPE is what BERT
+is without its table, so a seed whose BERT ends below its NoPE used the table), scored past the training length
+with the log-length temperature and the sliding window too. `python -m deberta_jax.study.seed_rate` reads their
+curves and gives the share of seeds, and the step, at which BERT leaves NoPE's plateau.
+
+`:flat` asks what keeps DeBERTa flat past the training length: the relative-only model as above and with the
+published v3 bucket setting (256 buckets, distances to 512: every distance of an 8x evaluation has its own row,
+but only rows within the training length are ever trained), two seeds, each scored as trained and under every
+length method (`deberta_jax.study.length_study.LENGTH_METHODS`: log-length temperature, sliding window,
+interpolated distances).
+
 `:core` is the ablation sweep's variant set (`variants.core()`: DeBERTa with each Table 4 removal, RoPE, ALiBi,
 T5 bias, NoPE) under this recipe, the ablation rerun with the recipe that moves BERT, at seed 0 only. It shares
 `runs/natural` with the default set (same recipe, same workdir names), so the three runs above are trained once;
@@ -28,6 +39,14 @@ from configs.sweeps import variants
 
 DEFAULT_DATA_DIR = "data"
 NAMES = ("bert", "nope", "deberta-emd")
+SEED_NAMES = ("bert", "nope")
+# The published DeBERTa-v3 relative table, whatever the training length.
+V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
+ARGS = ("", "core", "seeds", "flat", "smoke")
+TITLES = {"": "BERT past the unigram plateau on natural text",
+          "core": "DeBERTa terms and position schemes, natural-text recipe",
+          "seeds": "How often BERT learns its positions: five seeds of BERT and NoPE, natural-text recipe",
+          "flat": "Keeping DeBERTa flat past the training length: length methods and v3 buckets, natural-text recipe"}
 
 
 def recipe() -> dict:
@@ -39,40 +58,58 @@ def recipe() -> dict:
     return out
 
 
+def _variants(arg: str) -> list:
+    if arg == "core":
+        return variants.core()
+    if arg == "seeds":
+        return [v for v in variants.core() if v.name in SEED_NAMES]
+    if arg == "flat":
+        relative_only = next(v for v in variants.core() if v.name == "deberta-emd")
+        return [relative_only, variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
+    return [v for v in variants.core() if v.name in NAMES]
+
+
 def get_config(arg: str = ""):
-    if arg not in ("", "core", "smoke"):
-        raise ValueError(f"unknown sweep arg {arg!r}; use '', 'core' or 'smoke'")
+    if arg not in ARGS:
+        raise ValueError(f"unknown sweep arg {arg!r}; use one of {ARGS}")
+    seeds = {"core": [0], "seeds": [0, 1, 2, 3, 4]}.get(arg, [0, 1])
     sweep = config_dict.ConfigDict()
-    sweep.title = ("DeBERTa terms and position schemes, natural-text recipe" if arg == "core"
-                   else "BERT past the unigram plateau on natural text")
+    sweep.title = TITLES.get(arg, TITLES[""])
     sweep.description = (
         "Masked-LM encoders (2 x 128, 4 heads, vocab 4096) trained at length 64 on Brown train for 10,000 steps of "
         "32 sequences (learning rate 2e-3, no dropout, 30% masking), the same batches for every variant; chunked "
         "loss and accuracy on Brown valid and WikiText-2 test at 1x-8x the training length "
-        + ("(one seed: 95% bootstrap intervals over documents). " if arg == "core" else
-           "(mean of two seeds with a 95% t-interval over seeds, wide at two: results.json has each seed). ")
+        + ("(one seed: 95% bootstrap intervals over documents). " if len(seeds) == 1 else
+           f"(mean of {len(seeds)} seeds with a 95% t-interval over seeds: results.json has each seed). ")
         + "BERT's learned table is shown with the 'clip' policy here; summary.md has "
-        "'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor.")
+        "'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor."
+        + (" `<model>+<method>` is the model scored with a length method: `log_length` scales each query's scores "
+           "by log(keys seen) / log(64) past 64 keys, `window` lets each query attend to the 64 positions around it, "
+           "`interpolate_distances` multiplies relative distances by 64 / N." if arg in ("seeds", "flat") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
-    sweep.variants = variants.core() if arg == "core" else [v for v in variants.core() if v.name in NAMES]
-    sweep.seeds = [0] if arg == "core" else [0, 1]
+    sweep.variants = _variants(arg)
+    sweep.seeds = seeds
     sweep.seq_lens = [64]
     overrides = recipe()
     overrides["data"].update(train_files=data + "/brown/train.txt", eval_files=data + "/brown/valid.txt")
     sweep.common_overrides = config_dict.ConfigDict(overrides)
     sweep.workdir_root = "runs/natural"
-    sweep.report_dir = "results/natural-core" if arg == "core" else "results/natural"
+    sweep.report_dir = {"core": "results/natural-core", "seeds": "results/natural-seeds",
+                        "flat": "results/natural-flat"}.get(arg, "results/natural")
     sweep.table_policy = "clip"
+    methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"]}
     sweep.eval = config_dict.ConfigDict(dict(
         data_files={"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
         multiples=[1, 2, 4, 8], extra=[], policies=["untrained", "clip", "interpolate"],
-        protocols=["chunked", "fixed_target"], max_eval_tokens=30000, num_targets=32, bootstrap=1000))
+        protocols=["chunked", "fixed_target"], max_eval_tokens=30000, num_targets=32, bootstrap=1000,
+        methods=methods.get(arg, [])))
     if arg == "smoke":  # seconds: for tests of the config
         sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=300))
         sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
                                                  checkpoint_every=4, log_every=2))
         sweep.seq_lens = [16]
         sweep.eval.multiples = [1, 2]
+        sweep.eval.methods = list(methods["flat"])
         sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
     return sweep
