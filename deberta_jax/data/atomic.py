@@ -59,6 +59,12 @@ def replacing(path: str | os.PathLike):
             tmp.unlink()
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """`path` holds `text` in full, or its previous content: never a half-written file."""
+    with replacing(path) as tmp:
+        Path(tmp).write_text(text)
+
+
 def running(pid: int) -> bool:
     """Whether process `pid` of this host runs (as any user)."""
     try:
