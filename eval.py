@@ -30,19 +30,21 @@ from deberta_jax.data import errors, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
-from deberta_jax.study import length_study, report
+from deberta_jax.study import length_study, protocols, report
 from deberta_jax.train import checkpoint, sharding
 
 FLAGS = flags.FLAGS
 _DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
 _csv = lambda values: [str(v) for v in values]  # noqa: E731
-flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
-flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories to evaluate: model.safetensors "
-                          "and config.json, with tokenizer.json or, as published checkpoints ship it, DeBERTa's "
-                          "spm.model or BERT's vocab.txt (converted by transformers).")
-flags.DEFINE_string("checkpoint", "latest", "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
-flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs), hf:NAME[:CONFIG][:SPLIT] or "
-                          "synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")
+flags.DEFINE_multi_string("workdir", [],
+                          "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
+flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories to evaluate: "
+                          "model.safetensors and config.json, with tokenizer.json or, as published checkpoints ship "
+                          "it, DeBERTa's spm.model or BERT's vocab.txt (converted by transformers).")
+flags.DEFINE_string("checkpoint", "latest",
+                    "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
+flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs), "
+                          "hf:NAME[:CONFIG][:SPLIT] or synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")
 flags.DEFINE_string("out", None, "Output directory.")
 flags.DEFINE_list("lengths", _csv(_DEFAULTS.lengths),
                   "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
@@ -56,7 +58,7 @@ flags.DEFINE_list("methods", _csv(_DEFAULTS.methods),
                   f"{tuple(length_study.LENGTH_METHODS)} (labelled <model>+<method>): log_length scales each query's "
                   "scores by log(keys seen) / log(L), window attends to the L positions around each query, "
                   "interpolate_distances multiplies relative distances by L / N.")
-flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {length_study.PROTOCOLS}.")
+flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {tuple(protocols.PROTOCOLS)}.")
 flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
 flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,
                      "Batch size in tokens; rows per batch = this // length.")
@@ -71,7 +73,8 @@ flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
                   "'pallas' is blockwise fused into one GPU kernel (interpret mode, slow, without a GPU).")
 flags.DEFINE_integer("attention_block_size", None,
                      "Keys per block of the blockwise kernel (default: each model's own).")
-flags.DEFINE_bool("unigram", True, "Also score a unigram-frequency floor (counts from the first workdir's training files).")
+flags.DEFINE_bool("unigram", True,
+                  "Also score a unigram-frequency floor (counts from the first workdir's training files).")
 flags.DEFINE_bool("oracle", True, "Also score the Bayes-optimal oracle of every synthetic dataset (with the first "
                   "model's tokenizer and training length).")
 flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() and split the scoring over the processes.")
@@ -143,9 +146,9 @@ def main(argv):
         usage_error(str(err))
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
-        methods=tuple(FLAGS.methods), protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed, tokens_per_batch=FLAGS.tokens_per_batch,
-        max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets, span=FLAGS.span,
-        bootstrap=FLAGS.bootstrap)
+        methods=tuple(FLAGS.methods), protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed,
+        tokens_per_batch=FLAGS.tokens_per_batch, max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets,
+        span=FLAGS.span, bootstrap=FLAGS.bootstrap)
     for length in settings.lengths:
         if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:
             usage_error(f"--lengths={length} is out of range: each must be in [{packing.MIN_SEQ_LEN}, "
@@ -165,7 +168,8 @@ def main(argv):
     models += references
     warnings = []
     records, skipped = length_study.run_study(models, datasets, settings, warnings=warnings)
-    note = length_study.unpaired_note((m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
+    note = length_study.unpaired_note(
+        (m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)
     if not is_main:
         return
     _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=([note] if note else []) + warnings)

@@ -134,7 +134,7 @@ def check_steps(pending: list[tuple[int, dict]], last_good: str) -> None:
             raise RuntimeError(
                 f"step {step} masked {int(metrics['dropped'])} tokens more than the MLM head scores "
                 f"(deberta_jax.train.steps.prediction_budget, mean + 8 sigma); stopped without saving; {last_good}. "
-                "The masking rate no longer matches config.data.mask_prob: check deberta_jax.masking.")
+                "The masking rate no longer matches config.data.mask_prob: check deberta_jax.data.masking.")
 
 
 def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:

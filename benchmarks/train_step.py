@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import bert, deberta  # noqa: E402
 from deberta_jax.aot import analysis  # noqa: E402
-from deberta_jax.train import optim, steps  # noqa: E402
 from deberta_jax.model.config import ModelConfig  # noqa: E402
+from deberta_jax.train import optim, steps  # noqa: E402
 
 FAMILIES = {"bert": bert, "deberta": deberta}
 MASK_PROB = 0.15
@@ -193,7 +193,8 @@ def main(argv=None) -> None:
                         help="comma-separated: how the dense kernel computes DeBERTa's c2p / p2c (auto, gather, shift)")
     parser.add_argument("--trained-length", type=int, default=None,
                         help="length the model is configured as trained at (DeBERTa's relative table, BERT's "
-                             "absolute table); default: --seq. Eval past training: e.g. --seq 8192 --trained-length 512")
+                             "absolute table); default: --seq. Eval past training: "
+                             "e.g. --seq 8192 --trained-length 512")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=None,
@@ -207,8 +208,8 @@ def main(argv=None) -> None:
     for family in args.model.split(","):
         for seq in map(int, args.seq.split(",")):
             # Only the dense kernel's DeBERTa terms have two formulations.
-            for kernel, relative_terms in ((kernel, terms) for kernel in args.kernel.split(",") for terms in (
-                    args.relative_terms.split(",") if family == "deberta" and kernel == "dense" else ["auto"])):
+            for kernel, relative_terms in ((name, terms) for name in args.kernel.split(",") for terms in (
+                    args.relative_terms.split(",") if family == "deberta" and name == "dense" else ["auto"])):
                 cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size,
                                                  args.dropout, relative_terms)
                 passes = 3 if args.mode == "train" else 1
@@ -248,7 +249,8 @@ def main(argv=None) -> None:
     for row in rows:
         row.update(matmul_peak_flops=round(best_peak),
                    # 4 significant digits: a micro model's MFU on a busy CPU is well below 1e-3
-                   **{"mfu" + suffix: float(f'{row["tokens_per_s"] * row["model_flops_per_token" + suffix] / best_peak:.4g}')
+                   **{"mfu" + suffix: float(
+                       f'{row["tokens_per_s"] * row["model_flops_per_token" + suffix] / best_peak:.4g}')
                       for suffix in ("", "_head_everywhere")})
         if args.compare_transformers:
             row["speedup_vs_torch"] = round(row["tokens_per_s"] / row["torch_tokens_per_s"], 3)

@@ -96,7 +96,8 @@ def test_bad_value_names_its_field(field, value, message):
 def test_batch_not_divisible_by_devices():
     config = bert.get_config("micro")
     config.train.batch_size = 30
-    with pytest.raises(ConfigError, match="^config.train.batch_size=30 is not divisible by 8 devices; use a multiple of 8$"):
+    with pytest.raises(ConfigError,
+                       match="^config.train.batch_size=30 is not divisible by 8 devices; use a multiple of 8$"):
         validate(config, num_devices=8)
     config.train.batch_size, config.train.grad_accum_steps = 32, 3
     with pytest.raises(ConfigError, match="by 2 devices x 3 accumulation steps = 6; use a multiple of 6"):

@@ -243,7 +243,8 @@ def test_concurrent_preparations_write_one_store(tmp_path, corpus, documents, to
 
 
 def dead_pid() -> int:
-    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                             capture_output=True, text=True, check=True)
     return int(process.stdout)
 
 

@@ -40,7 +40,8 @@ def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_
     assert result.returncode == 0, result.stderr[-2000:]
     records = json.loads((tmp_path / "results.json").read_text())["records"]
     loss = {(r["model"], r["eval_len"]): r["value"] for r in records
-            if r["metric"] == "loss" and r["bucket"] == "all" and r["seed"] != "mean" and r["policy"] in ("none", "clip")}
+            if r["metric"] == "loss" and r["bucket"] == "all" and r["seed"] != "mean"
+            and r["policy"] in ("none", "clip")}
     assert {model for model, _ in loss} == {"run", "unigram", "oracle"}
     assert {n for _, n in loss} == {32, 64}
     assert loss["oracle", 32] < loss["unigram", 32] - 1.0

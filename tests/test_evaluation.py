@@ -139,13 +139,15 @@ def test_policies_are_reported_not_silently_nan(docs, tok):
     assert "32 rows" in reasons[("untrained", 64)]
     assert all(math.isfinite(r["value"]) for r in records)
     # Within the training length every policy reads the same trained rows.
-    at_16 = {r["policy"]: r["value"] for r in records if r["eval_len"] == 16 and r["metric"] == "loss" and r["bucket"] == "all"}
+    at_16 = {r["policy"]: r["value"] for r in records
+             if r["eval_len"] == 16 and r["metric"] == "loss" and r["bucket"] == "all"}
     assert max(at_16.values()) - min(at_16.values()) < 1e-6
 
 
 def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
     other = train_tokenizer(docs, 300)
-    models = [length_study.EvalModel(label, 0, label, None, t, 16) for label, t in (("a", tok), ("b", tok), ("c", other))]
+    models = [length_study.EvalModel(label, 0, label, None, t, 16)
+              for label, t in (("a", tok), ("b", tok), ("c", other))]
     labelled = [(f"{m.label} (seed {m.seed})", m.tokenizer.to_str()) for m in models]
     assert length_study.tokenizer_groups(labelled) == [["a (seed 0)", "b (seed 0)"], ["c (seed 0)"]]
 
@@ -181,7 +183,8 @@ def test_bad_settings_and_short_text_fail_clearly(tok):
         length_study.StudySettings(policies=("wrap",))
     models = [length_study.EvalModel("deb", 0, "w", tiny(tok), tok, 16)]
     with pytest.raises(ValueError, match="shorter than the longest eval length"):
-        length_study.run_study(models, {"d": ["just a few words here"]}, length_study.StudySettings(protocols=("chunked",)))
+        length_study.run_study(models, {"d": ["just a few words here"]},
+                               length_study.StudySettings(protocols=("chunked",)))
 
 
 def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, tmp_path):

@@ -59,7 +59,8 @@ def run(mesh):
 mesh = sharding.make_mesh(fsdp=4)
 assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
 P = jax.sharding.PartitionSpec
-for shape, spec in [((512, 32), P("fsdp", None)), ((32, 64), P(None, "fsdp")), ((32,), P("fsdp")), ((6,), P()), ((), P())]:
+for shape, spec in [((512, 32), P("fsdp", None)), ((32, 64), P(None, "fsdp")), ((32,), P("fsdp")),
+                    ((6,), P()), ((), P())]:
     assert sharding.fsdp_sharding(mesh, shape).spec == spec, (shape, sharding.fsdp_sharding(mesh, shape).spec)
 fsdp_losses, fsdp_state = run(mesh)
 one_losses, one_state = run(None)

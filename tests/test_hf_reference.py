@@ -36,7 +36,8 @@ DEBERTA_CASES = {
     "no_buckets": (dict(V3, position_buckets=-1, max_relative_positions=16, norm_rel_ebd="none"), [12, 40]),
     # Small buckets reach the log region, and length 70 > max_relative_positions overflows it.
     "log_buckets": (dict(V3, position_buckets=16, max_relative_positions=32), [70]),
-    "abs_input_token_types": (dict(V3, position_biased_input=True, type_vocab_size=2, max_position_embeddings=64), [20]),
+    "abs_input_token_types": (
+        dict(V3, position_biased_input=True, type_vocab_size=2, max_position_embeddings=64), [20]),
     "new_head": (dict(V3, legacy=False), [11]),
     # Not the default 1e-7: an epsilon the loader ignored would move these logits by about 1e-3.
     "layer_norm_eps": (dict(V3, layer_norm_eps=1e-2), [13]),
@@ -131,7 +132,8 @@ def test_perturbation_reaches_every_bias_and_norm():
 
 def test_config_it_cannot_represent_names_the_key(tmp_path):
     torch.manual_seed(0)
-    transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(**dict(V3, conv_kernel_size=3))).save_pretrained(tmp_path)
+    config = transformers.DebertaV2Config(**dict(V3, conv_kernel_size=3))
+    transformers.DebertaV2ForMaskedLM(config).save_pretrained(tmp_path)
     with pytest.raises(hf.CheckpointError, match="conv_kernel_size"):
         hf.load(tmp_path)
 

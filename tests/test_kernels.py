@@ -14,8 +14,16 @@ from flax import nnx
 from deberta_jax.kernels import blockwise, dispatch
 from deberta_jax.kernels.dense import dense_attention
 from deberta_jax.kernels.pallas import pallas_attention
-from deberta_jax.kernels.scores import (NEG_INF, RelativeIndex, ScoreTerms, banded_relative_terms, relative_terms,
-                                        shifted_relative_terms, skew, toeplitz)
+from deberta_jax.kernels.scores import (
+    NEG_INF,
+    RelativeIndex,
+    ScoreTerms,
+    banded_relative_terms,
+    relative_terms,
+    shifted_relative_terms,
+    skew,
+    toeplitz,
+)
 from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
@@ -247,7 +255,8 @@ def compiled_temp_bytes(kernel, n, **kw):
 
     def loss(terms, v):
         return jnp.sum(kernel(terms, v, jnp.ones((1, n), jnp.int32), **kw))
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(terms, spec(1, 2, n, 16)).compile().memory_analysis().temp_size_in_bytes
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(terms, spec(1, 2, n, 16)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow

@@ -60,6 +60,6 @@ def test_every_module_is_in_a_layer():
 
 
 def test_library_and_configs_name_no_folder_outside_the_repository():
-    offenders = [str(p.relative_to(ROOT)) for folder in ("deberta_jax", "configs") for p in (ROOT / folder).rglob("*.py")
-                 if "../" in p.read_text()]
+    offenders = [str(p.relative_to(ROOT)) for folder in ("deberta_jax", "configs")
+                 for p in (ROOT / folder).rglob("*.py") if "../" in p.read_text()]
     assert not offenders, f"these files name paths outside the repository: {offenders}"

@@ -84,7 +84,8 @@ def test_pre_layer_norm_normalizes_sublayer_inputs_and_the_output():
     model = build("bert_pre_ln")
     # Non-trivial norm parameters, so a norm applied in the wrong place or skipped changes the logits.
     rng = np.random.default_rng(1)
-    for norm in [model.final_norm] + [n for layer in model.encoder.layers for n in (layer.attention_norm, layer.output_norm)]:
+    layer_norms = [n for layer in model.encoder.layers for n in (layer.attention_norm, layer.output_norm)]
+    for norm in [model.final_norm] + layer_norms:
         norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32)
         norm.bias[...] = jnp.asarray(rng.normal(0, 0.3, norm.bias.shape), jnp.float32)
     x, mask = ids(2, 12), np.ones((2, 12), np.int32)

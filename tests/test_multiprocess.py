@@ -3,8 +3,8 @@ CPU (collectives over gloo), against the same run in one process.
 
 What must hold across topologies: the same config gives the same run on 1 process or 2 (row order, masks and
 dropout are functions of (seed, step, global row)); a checkpoint saved by 2 processes resumes on 1 and one
-saved by 1 resumes on 2, with parameters replicated or split (FSDP); only process 0 writes metrics; both processes use the
-tokenizer process 0 trained; both processes preparing one data cache at once leave one intact cache;
+saved by 1 resumes on 2, with parameters replicated or split (FSDP); only process 0 writes metrics; both processes
+use the tokenizer process 0 trained; both processes preparing one data cache at once leave one intact cache;
 `eval.py` over 2 processes gives the single-process records.
 """
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax.model import positions
 from deberta_jax.kernels.scores import ScoreTerms, toeplitz
+from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from tests.helpers import assert_padding_invariant

@@ -78,14 +78,17 @@ def largest_file(directory):
 
 # ---------------------------------------------------------------------------------------------- the lock
 HOLDER = ("import sys, time\nfrom deberta_jax.train import workdir_lock\n"
-          "with workdir_lock.hold(sys.argv[1], what='test holder'):\n    print('held', flush=True)\n    time.sleep(120)\n")
+          "with workdir_lock.hold(sys.argv[1], what='test holder'):\n"
+          "    print('held', flush=True)\n    time.sleep(120)\n")
 
 
 def test_a_held_workdir_is_refused_naming_the_holder_and_freed_when_it_is_killed(tmp_path, caplog):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(workdir_lock.WorkdirBusyError, match=rf"in use by PID {holder.pid} .*test holder.*another --workdir"):
+        with pytest.raises(workdir_lock.WorkdirBusyError,
+                           match=rf"in use by PID {holder.pid} .*test holder.*another --workdir"):
             with workdir_lock.hold(tmp_path):
                 pass
     finally:
@@ -204,7 +207,8 @@ def test_resuming_with_another_vocab_size_is_refused_and_older_workdirs_still_re
     """config.model.vocab_size changes the tokenizer a run trains, which a resumed run does not retrain."""
     config = micro_config(cache, num_steps=4)
     config.data.train_files = config.data.eval_files = str(tmp_path / "text.txt")
-    (tmp_path / "text.txt").write_text("\n\n".join(f"document {i} says words and more words {i % 7}" for i in range(300)))
+    (tmp_path / "text.txt").write_text(
+        "\n\n".join(f"document {i} says words and more words {i % 7}" for i in range(300)))
     config.model.vocab_size = 120
     train.train_and_evaluate(config, tmp_path / "run", stop_at_step=2)
     config.model.vocab_size = 150

@@ -13,8 +13,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_curves(path, seed, run, baseline, labels=("bert", "nope")):
-    data = dict(unigram_floor=6.7, margin=0.1, workdirs={label: f"runs/natural/{label}-L64-s{seed}" for label in labels},
-                curves={labels[0]: {str(s): v for s, v in run.items()}, labels[1]: {str(s): v for s, v in baseline.items()}})
+    data = dict(unigram_floor=6.7, margin=0.1,
+                workdirs={label: f"runs/natural/{label}-L64-s{seed}" for label in labels},
+                curves={labels[0]: {str(s): v for s, v in run.items()},
+                        labels[1]: {str(s): v for s, v in baseline.items()}})
     path.write_text(json.dumps(data))
     return str(path)
 

@@ -167,7 +167,8 @@ def test_resuming_with_another_model_is_refused(corpus, straight_run, tmp_path):
     shutil.copytree(straight_run, tmp_path / "run")
     config = micro_config(corpus, num_steps=STEPS + 1)
     config.model.hidden_dropout = 0.0
-    with pytest.raises(ValueError, match=r"holds checkpoints of another model; changed: config.model.hidden_dropout 0.1 -> 0.0"):
+    with pytest.raises(ValueError,
+                       match=r"holds checkpoints of another model; changed: config.model.hidden_dropout 0.1 -> 0.0"):
         train.train_and_evaluate(config, tmp_path / "run")
 
 
@@ -324,7 +325,8 @@ def test_weight_decay_only_on_dense_kernels():
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                       position_buckets=8, max_relative_positions=16, max_position_embeddings=32, use_emd=True)
     params = steps.init_params(cfg, seed=0)
-    decayed = {jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_leaves_with_path(optim.weight_decay_mask(params)) if d}
+    decay_mask = optim.weight_decay_mask(params)
+    decayed = {jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_leaves_with_path(decay_mask) if d}
     assert decayed and all(path.endswith("['kernel']") for path in decayed)
     for table in ("['embeddings']['word_embeddings']", "['embeddings']['position_embeddings']",
                   "['encoder']['rel_embeddings']", "['head_bias']", "['head_norm']['scale']",

@@ -37,8 +37,8 @@ flags.DEFINE_enum("format", "text", ["text", "markdown"], "Per-program blocks, o
 flags.DEFINE_string("out", None, "Also write the figures to this JSON file.")
 FLAGS = flags.FLAGS
 
-MARKDOWN_HEADER = ("| config | slice | program | HBM / chip (GiB) | fits | TFLOP / chip | GB / chip | gathers (largest, MB) "
-                   "| roofline (ms) | bound | tokens/s | MFU ceiling | compile (s) |\n"
+MARKDOWN_HEADER = ("| config | slice | program | HBM / chip (GiB) | fits | TFLOP / chip | GB / chip "
+                   "| gathers (largest, MB) | roofline (ms) | bound | tokens/s | MFU ceiling | compile (s) |\n"
                    "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
 
 
@@ -56,7 +56,8 @@ def describe(report: analysis.ProgramReport) -> str:
         f"  HBM per chip  {cost.hbm_bytes / GIB:.2f} of {report.chip.hbm_bytes / GIB:.0f} GiB "
         f"({'fits' if report.fits else 'DOES NOT FIT'}; arguments {cost.argument_bytes / GIB:.2f}, "
         f"temporaries {cost.temp_bytes / GIB:.2f}, outputs aliased to donated arguments {cost.alias_bytes / GIB:.2f})",
-        f"  per chip      {cost.flops / 1e12:.3f} TFLOP by XLA's count, {report.model_flops / report.num_chips / 1e12:.3f} "
+        f"  per chip      {cost.flops / 1e12:.3f} TFLOP by XLA's count, "
+        f"{report.model_flops / report.num_chips / 1e12:.3f} "
         f"by the model's; {cost.bytes_accessed / 1e9:.1f} GB accessed, {cost.collective_bytes / 1e9:.2f} GB of "
         f"collectives, {cost.gathers} gathers in the optimized HLO (largest {cost.largest_gather_bytes / 1e6:.1f} MB)"
         + (f"; {cost.loops} while loops, whose bodies XLA counts once" if cost.loops else ""),

@@ -103,29 +103,29 @@ def _online_softmax_fwd(rate, forward, blocks: Blocks):
 
 
 def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
-    """Scan over key blocks keeping the running row maximum `m`, normalizer `l` and weighted sum."""
+    """Scan over key blocks keeping the running row maximum `m`, normalizer `norm` and weighted sum."""
     num_blocks, _, _, _, d = blocks.values.shape
     first = jax.tree.map(lambda x: x[0], blocks.keys)
     b, h, n_q, _ = jax.eval_shape(lambda kb, mb: blocks.scores(0, kb, mb), first, blocks.mask[0]).shape
 
     def body(carry, xs):
-        m, l, acc = carry
+        m, norm, acc = carry
         block, key_block, value_block, mask_block = xs
         scores = blocks.scores(block, key_block, mask_block)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(scores - m_new[..., None])
-        l = l * correction + p.sum(axis=-1)
+        norm = norm * correction + p.sum(axis=-1)
         keep = dropout_keep(blocks.dropout_key, block, p.shape, rate) if rate else None
         acc = acc * correction[..., None] + jnp.einsum(
             "bhij,bhjd->bhid", dropout.apply(p, keep, rate).astype(value_block.dtype), value_block,
             preferred_element_type=jnp.float32)
-        return (m_new, l, acc), None
+        return (m_new, norm, acc), None
 
     init = (jnp.full((b, h, n_q), -jnp.inf), jnp.zeros((b, h, n_q)), jnp.zeros((b, h, n_q, d)))
     xs = (jnp.arange(num_blocks), blocks.keys, blocks.values, blocks.mask)
-    (m, l, acc), _ = jax.lax.scan(body, init, xs)
-    return (acc / l[..., None]).astype(blocks.values.dtype), m + jnp.log(l)
+    (m, norm, acc), _ = jax.lax.scan(body, init, xs)
+    return (acc / norm[..., None]).astype(blocks.values.dtype), m + jnp.log(norm)
 
 
 def _online_softmax_bwd(rate, forward, residuals, d_out):

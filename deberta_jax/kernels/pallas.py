@@ -77,7 +77,7 @@ def _attention_kernel(*refs, has_c2p: bool, has_p2c: bool, has_bias: bool, divis
     tile_rows = jnp.arange(TILE)
 
     def body(key_tile, carry):
-        m, l, acc = carry
+        m, norm, acc = carry
         key_start = key_tile * TILE
         keys = pl.ds(key_start, TILE)
         dot = plgpu.dot(q, k_ref[keys, :].T).astype(jnp.float32)
@@ -97,15 +97,15 @@ def _attention_kernel(*refs, has_c2p: bool, has_p2c: bool, has_bias: bool, divis
         m_new = jnp.maximum(m, scores.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(scores - m_new[:, None])
-        l = l * correction + p.sum(axis=-1)
+        norm = norm * correction + p.sum(axis=-1)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :]).astype(jnp.float32)
-        return m_new, l, acc
+        return m_new, norm, acc
 
     init = (jnp.full((TILE,), -jnp.inf, jnp.float32), jnp.zeros((TILE,), jnp.float32),
             jnp.zeros((TILE, q.shape[-1]), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_key_tiles, body, init)
-    out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    m, norm, acc = jax.lax.fori_loop(0, num_key_tiles, body, init)
+    out_ref[...] = (acc / norm[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = m + jnp.log(norm)
 
 
 def fused_forward(blocks: Blocks, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:

@@ -362,11 +362,12 @@ class ModelConfig:
                   "the fused Pallas kernel implements neither attention_window nor attention_temperature; "
                   "use attention_kernel='dense' or 'blockwise' with them")
         if self.remat not in REMAT_POLICIES:
-            _fail("remat", self.remat, f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
+            _fail("remat", self.remat,
+                  f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
         """Build from a plain mapping (e.g. `config.model.to_dict()`), rejecting unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -179,7 +179,9 @@ class Encoder(nnx.Module):
         if not layers:
             return hidden
         apply = _layer_function(self.cfg, nnx.graphdef(layers[0]), key_mask, ctx)
-        keys = None if rngs is None else jax.vmap(jax.random.fold_in, (None, 0))(rngs.dropout(), jnp.arange(len(layers)))
+        keys = None
+        if rngs is not None:
+            keys = jax.vmap(jax.random.fold_in, (None, 0))(rngs.dropout(), jnp.arange(len(layers)))
         if self.cfg.scan_layers or self.cfg.remat != "none":
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
             hidden, _ = jax.lax.scan(lambda h, xs: (apply(xs[0], h, xs[1]), None), hidden, (stacked, keys))

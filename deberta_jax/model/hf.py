@@ -290,7 +290,8 @@ def assign_weights(model: MaskedLM, tensors: Mapping[str, np.ndarray], *, family
             continue
         if key == decoder_w:
             if word_key in tensors and not np.array_equal(array, tensors[word_key]):
-                raise CheckpointError(f"{key}: the MLM decoder is not tied to {word_key}; untied heads are not supported")
+                raise CheckpointError(
+                    f"{key}: the MLM decoder is not tied to {word_key}; untied heads are not supported")
             continue
         if key == decoder_b:
             head_bias = tensors.get("cls.predictions.bias")

@@ -85,9 +85,10 @@ def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = 
                        curves={k: {str(s): v for s, v in c.items()} for k, c in curves.items()}), f, indent=1)
     config = checkpoint.read_config(first)
     lines = ["# Eval loss by training step", "",
-             f"Same batches for every run (seed {config.seed}, {config.train.batch_size} x {config.data.seq_len} tokens "
-             f"per step, {config.train.num_steps} steps); eval on `{config.data.eval_files}`. Unigram floor on the same "
-             f"targets: **{floor:.3f}** nats. A run leaves the plateau at its first evaluation {margin:g} nats below it.",
+             f"Same batches for every run (seed {config.seed}, {config.train.batch_size} x {config.data.seq_len} "
+             f"tokens per step, {config.train.num_steps} steps); eval on `{config.data.eval_files}`. Unigram floor on "
+             f"the same targets: **{floor:.3f}** nats. A run leaves the plateau at its first evaluation {margin:g} "
+             "nats below it.",
              "", curve_tables(curves, floor, exits)]
     markdown = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "curves.md"), "w") as f:

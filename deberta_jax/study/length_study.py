@@ -25,7 +25,7 @@ from deberta_jax.kernels import dense
 from deberta_jax.model import hf
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.model.encoder import MaskedLM, with_options
-from deberta_jax.study import scoring
+from deberta_jax.study import protocols, scoring
 from deberta_jax.study.reference import OracleModel, UnigramModel
 from deberta_jax.train import checkpoint
 
@@ -43,7 +43,6 @@ LENGTH_METHODS = {
 }
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
 DEFAULT_EXTRA = (16, 64)
-PROTOCOLS = ("chunked", "fixed_target")
 
 
 @dataclasses.dataclass
@@ -141,7 +140,7 @@ class StudySettings:
     extra: tuple[int, ...] = DEFAULT_EXTRA
     lengths: tuple[int, ...] = ()  # explicit lengths, used instead of multiples/extra when given
     policies: tuple[str, ...] = ("untrained", "clip", "interpolate")
-    protocols: tuple[str, ...] = PROTOCOLS
+    protocols: tuple[str, ...] = tuple(protocols.PROTOCOLS)
     mask_seed: int = 0
     tokens_per_batch: int = 16384
     max_eval_tokens: int = 0  # 0 = the whole stream
@@ -156,8 +155,7 @@ class StudySettings:
             if p not in ABSOLUTE_POSITION_POLICIES:
                 raise ValueError(f"policies: unknown policy {p!r}; choose from {ABSOLUTE_POSITION_POLICIES}")
         for p in self.protocols:
-            if p not in PROTOCOLS:
-                raise ValueError(f"protocols: unknown protocol {p!r}; choose from {PROTOCOLS}")
+            protocols.get(p)
         for n in self.lengths:
             if n < packing.MIN_SEQ_LEN:
                 raise ValueError(f"lengths: {n} is too short; every length must be >= {packing.MIN_SEQ_LEN} "
@@ -277,10 +275,10 @@ def check_dense_memory(models: Sequence[EvalModel], settings: StudySettings, ava
             need = dense.peak_bytes(batch, cfg.num_heads, eval_len, eval_len)
             if need > available:
                 raise MemoryError(
-                    f"{em.label} at length {eval_len} with the dense attention kernel needs about {need / 2**30:.0f} GiB "
-                    f"for its [{batch}, {cfg.num_heads}, {eval_len}, {eval_len}] scores, more than the "
-                    f"{available / 2**30:.0f} GiB of {jax.local_devices()[0].platform}; pass --attention_kernel "
-                    "blockwise (same results, memory linear in length), or evaluate shorter lengths")
+                    f"{em.label} at length {eval_len} with the dense attention kernel needs about "
+                    f"{need / 2**30:.0f} GiB for its [{batch}, {cfg.num_heads}, {eval_len}, {eval_len}] scores, "
+                    f"more than the {available / 2**30:.0f} GiB of {jax.local_devices()[0].platform}; pass "
+                    "--attention_kernel blockwise (same results, memory linear in length), or evaluate shorter lengths")
 
 
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
@@ -329,8 +327,9 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                     f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
                     f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
             resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
+            chosen = [protocols.get(name) for name in settings.protocols]
             starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
-                      if "fixed_target" in settings.protocols else None)
+                      if any(p.needs_starts for p in chosen) else None)
             for policy in policies_for(em.model, settings.policies):
                 scorer = scorer_for(em.model, policy)
                 for eval_len in lengths:
@@ -341,14 +340,10 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                         continue
                     batch = max(1, settings.tokens_per_batch // eval_len)
                     desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
-                    if "chunked" in settings.protocols:
-                        sums = scoring.score_windows(scorer, corpus, targets.chunked_windows(corpus, eval_len),
-                                                     batch, bucket_width, desc)
-                        records += _records(em, sums, resamples, protocol="chunked", offset=None, **common)
-                    if starts is not None:
-                        for offset in targets.default_offsets(em.train_len, eval_len, span):
-                            windows = targets.fixed_target_windows(corpus, eval_len, offset, starts, span)
+                    setting = protocols.Setting(corpus, eval_len, em.train_len, span, starts)
+                    for protocol in chosen:
+                        for offset, windows in protocol.windows(setting):
                             sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
-                            records += [r for r in _records(em, sums, resamples, protocol="fixed_target",
-                                                            offset=offset, **common) if r["bucket"] == "all"]
+                            records += [r for r in _records(em, sums, resamples, protocol=protocol.name, offset=offset,
+                                                            **common) if protocol.per_position or r["bucket"] == "all"]
     return add_relative_change(records), skipped

@@ -22,6 +22,7 @@ import pandas as pd
 from scipy import stats
 
 from deberta_jax.data.atomic import replacing
+from deberta_jax.study import protocols
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
 FIELDS = ("model", "seed", "source", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
@@ -207,7 +208,8 @@ def _length_labels(frame: pd.DataFrame) -> list[str]:
 
 
 def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], notes: Sequence[str] = ()) -> str:
-    """Chunked-protocol tables (loss, accuracy by eval length) and fixed-target tables (loss by offset)."""
+    """Per dataset, a table for every protocol in `means`, laid out as its registry entry says
+    (`protocols.layout_of`): loss and accuracy by eval length, or loss by offset of the target span."""
     means = records_frame(means)
     lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
              "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
@@ -216,29 +218,45 @@ def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dic
     overall = means[means["bucket"] == "all"]
     for dataset in sorted(overall["dataset"].unique()):
         of_dataset = overall[overall["dataset"] == dataset]
-        chunked = of_dataset[of_dataset["protocol"] == "chunked"]
-        if len(chunked):
-            cells = chunked.assign(label=_length_labels(chunked), ratio=chunked["eval_len"] / chunked["train_len"],
-                                   cell=_cells(chunked))
-            labels = cells[["ratio", "label"]].drop_duplicates().sort_values(["ratio", "label"])["label"].unique()
-            index = ["model", "policy", "train_len"]
-            rows = chunked[index].drop_duplicates().sort_values(index)
-            for metric in ("loss", "accuracy"):
-                table = _grid(cells[cells["metric"] == metric], index, "label", labels, rows)
-                lines += [f"## {dataset}: chunked, masked-token {metric}", "",
-                          markdown_table(table.rename(columns={"train_len": "L"})), ""]
-        fixed = of_dataset[(of_dataset["protocol"] == "fixed_target") & (of_dataset["metric"] == "loss")]
-        if len(fixed):
-            offsets = sorted(fixed["offset"].unique())
-            table = _grid(fixed.assign(cell=_cells(fixed)), ["model", "policy", "eval_len"], "offset", offsets)
-            table.columns = ["model", "policy", "eval length", *(f"offset {o}" for o in offsets)]
-            lines += [f"## {dataset}: fixed-target loss by offset of the target span", "", markdown_table(table), ""]
+        for protocol in _protocol_order(of_dataset["protocol"].unique()):
+            rows = of_dataset[of_dataset["protocol"] == protocol]
+            if protocols.layout_of(protocol) == "by_offset":
+                lines += _by_offset(rows[rows["metric"] == "loss"], f"{dataset}: {protocol}")
+            else:
+                lines += _by_length(rows, f"{dataset}: {protocol}")
     if skipped:
         lines += ["## Not evaluated", ""]
         reasons = pd.DataFrame(list(skipped)).drop_duplicates(["model", "policy", "eval_len", "reason"])
         lines += [f"- {s.model} / {s.policy} at length {s.eval_len}: {s.reason}" for s in reasons.itertuples()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _protocol_order(names) -> list[str]:
+    """Registered protocols in registry order, then any others (results of a protocol since removed) by name."""
+    return [p for p in protocols.PROTOCOLS if p in names] + sorted(set(names) - set(protocols.PROTOCOLS))
+
+
+def _by_length(rows: pd.DataFrame, title: str) -> list[str]:
+    """Loss and accuracy, one column per eval length (`2x`, `L+16`), one row per model, policy and L."""
+    cells = rows.assign(label=_length_labels(rows), ratio=rows["eval_len"] / rows["train_len"], cell=_cells(rows))
+    labels = cells[["ratio", "label"]].drop_duplicates().sort_values(["ratio", "label"])["label"].unique()
+    index = ["model", "policy", "train_len"]
+    order = rows[index].drop_duplicates().sort_values(index)
+    lines = []
+    for metric in ("loss", "accuracy"):
+        table = _grid(cells[cells["metric"] == metric], index, "label", labels, order)
+        table = table.rename(columns={"train_len": "L"})
+        lines += [f"## {title}, masked-token {metric}", "", markdown_table(table), ""]
+    return lines
+
+
+def _by_offset(rows: pd.DataFrame, title: str) -> list[str]:
+    """Loss, one column per offset of the target span, one row per model, policy and eval length."""
+    offsets = sorted(rows["offset"].unique())
+    table = _grid(rows.assign(cell=_cells(rows)), ["model", "policy", "eval_len"], "offset", offsets)
+    table.columns = ["model", "policy", "eval length", *(f"offset {o}" for o in offsets)]
+    return [f"## {title}, loss by offset of the target span", "", markdown_table(table), ""]
 
 
 def ablation_table(means: Iterable[dict] | pd.DataFrame, policy: str, multiples=(1, 2, 4, 8)) -> str:

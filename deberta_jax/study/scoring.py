@@ -77,12 +77,12 @@ class Sums:
     bucket_width: int
 
     @classmethod
-    def zeros(cls, num_docs: int, seq_len: int, bucket_width: int) -> "Sums":
+    def zeros(cls, num_docs: int, seq_len: int, bucket_width: int) -> Sums:
         nb = -(-seq_len // bucket_width)
         z = lambda n: np.zeros(n, np.float64)  # noqa: E731
         return cls(z(num_docs), z(num_docs), z(num_docs), z(nb), z(nb), z(nb), bucket_width)
 
-    def across_processes(self) -> "Sums":
+    def across_processes(self) -> Sums:
         """These sums added over every process (themselves in a single-process run)."""
         fields = ("loss_doc", "correct_doc", "count_doc", "loss_bucket", "correct_bucket", "count_bucket")
         arrays = [getattr(self, name) for name in fields]

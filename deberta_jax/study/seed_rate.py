@@ -95,8 +95,8 @@ def write_rate_report(paths: list[str], run: str, baseline: str, out_dir: str, m
                      f"{baseline} eval loss", "difference"]
     markdown = "\n".join([
         f"# How often {run} leaves {baseline}'s plateau", "",
-        f"A seed's {run} leaves the plateau at its first evaluation {margin:g} nats below {baseline}'s eval loss at the "
-        f"same step (same seed, same batches).", "",
+        f"A seed's {run} leaves the plateau at its first evaluation {margin:g} nats below {baseline}'s eval loss "
+        "at the same step (same seed, same batches).", "",
         f"**{summary['escaped']} of {summary['seeds']} seeds** ({100 * summary['rate']:.0f}%, "
         f"{100 * CONFIDENCE:.0f}% Clopper-Pearson interval {100 * lo:.0f}-{100 * hi:.0f}%); {steps}.", "",
         report.markdown_table(shown), "",

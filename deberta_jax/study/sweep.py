@@ -73,7 +73,8 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
                 overrides.update({"seed": seed, "data.seq_len": seq_len})
                 command = [sys.executable, "train.py", "--config", variant.config, "--workdir", workdir]
                 command += [f"--config.{key}={_flag_value(value)}" for key, value in sorted(overrides.items())]
-                runs.append(dict(name=name, workdir=workdir, command=command, num_steps=int(overrides["train.num_steps"])))
+                runs.append(dict(name=name, workdir=workdir, command=command,
+                                 num_steps=int(overrides["train.num_steps"])))
     return runs
 
 
@@ -100,7 +101,8 @@ def train_all(runs: list[dict]) -> None:
 def code_version(report_dir: str) -> str:
     """The commit, marked when tracked files other than the report's own differ from it."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
                                 f":(exclude){report_dir}"], capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("+uncommitted changes" if dirty else "")

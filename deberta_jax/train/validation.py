@@ -109,8 +109,9 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
         per = f"{num_devices} devices" + (f" x {accum} accumulation steps = {unit}" if accum > 1 else "")
         raise ConfigError(f"config.train.batch_size={batch_size} is not divisible by {per}; "
                           f"use a multiple of {unit}")
-    _require(config.train.eval_batches is None or (_is_int(config.train.eval_batches) and config.train.eval_batches >= 1),
-             train + "eval_batches", config.train.eval_batches, "must be an integer >= 1, or None for all of eval_files")
+    eval_batches = config.train.eval_batches
+    _require(eval_batches is None or (_is_int(eval_batches) and eval_batches >= 1), train + "eval_batches",
+             eval_batches, "must be an integer >= 1, or None for all of eval_files")
     _require(config.train.schedule in SCHEDULES, train + "schedule", config.train.schedule,
              f"is not a schedule; choose one of {SCHEDULES}")
     _require_number(config, train + "learning_rate", 0.0, math.inf, low_open=True)

@@ -76,7 +76,8 @@ def hold(workdir: str | Path, what: str = "train.py") -> Iterator[None]:
                             "taking it over", path, _describe(stale))
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what)).encode())
+        holder = dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what)
+        os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
         yield
     finally:
