@@ -181,3 +181,12 @@ def test_natural_core_sweep_reuses_the_default_sweeps_runs():
     for name in shared:
         run = default[name]
         assert core[name]["command"] == run["command"] and core[name]["workdir"] == run["workdir"]
+
+
+def test_training_the_fused_kernel_with_attention_dropout_is_refused_at_start_up():
+    config = deberta.get_config("micro")
+    config.model.attention_kernel = "pallas"
+    with pytest.raises(ConfigError, match=r"^config.model.attention_kernel='pallas' .*attention_dropout=0.1"):
+        validate(config, num_devices=1)
+    config.model.attention_dropout = 0.0
+    assert validate(config, num_devices=1).attention_kernel == "pallas"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.config import OPTION_FIELDS, ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.model.positions import PositionRangeError
 from tests.helpers import assert_padding_invariant
@@ -64,8 +64,27 @@ def test_with_options_shares_parameters_and_refuses_changing_them():
     assert clipped.cfg.absolute_position_policy == "clip" and model.cfg.absolute_position_policy == "strict"
     assert clipped.embeddings.word_embeddings is model.embeddings.word_embeddings
     np.testing.assert_allclose(clipped.mlm_logits(ids(1, 12)), model.mlm_logits(ids(1, 12)), atol=1e-5)
-    with pytest.raises(ValueError, match="changes the model's parameters"):
+    with pytest.raises(ConfigError, match=r"\['hidden_size', 'num_heads'\] cannot be changed on a trained model"):
         with_options(model, hidden_size=64, num_heads=4)
+
+
+# A value other than the default for every field a trained model may be run under.
+OTHER_OPTION_VALUES = dict(attention_kernel="blockwise", attention_block_size=8, remat="full", scan_layers=True,
+                           relative_terms="shift", absolute_position_policy="clip", clamp_relative_positions=False,
+                           attention_temperature="log_length", attention_window=8,
+                           relative_position_policy="interpolate")
+
+
+def test_every_option_field_leaves_the_parameters_as_they_are():
+    assert set(OTHER_OPTION_VALUES) == set(OPTION_FIELDS)
+    for scheme in ("bert", "deberta_emd"):
+        base = build(scheme, trained_length=16)
+        for field, value in OTHER_OPTION_VALUES.items():
+            if field == "relative_position_policy" and base.cfg.attention == "entangled":
+                continue
+            other = MaskedLM(base.cfg.with_options(**{field: value}), rngs=nnx.Rngs(0))
+            shapes = lambda m: jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(nnx.state(m)))  # noqa: E731
+            assert shapes(other) == shapes(base), (scheme, field)
 
 
 def test_emd_changes_outputs_and_uses_the_absolute_table():

@@ -30,6 +30,10 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # Fields that change how the parameters are computed with, not what they are: a checkpoint written under one
 # value loads under any other (`encoder.with_options`, resuming a run with another kernel or remat policy).
 COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan_layers", "relative_terms")
+# Fields a trained model can be run under with other values, its parameters unchanged (`ModelConfig.with_options`):
+# the computation fields, and what happens to positions past the training length.
+OPTION_FIELDS = COMPUTATION_FIELDS + ("absolute_position_policy", "clamp_relative_positions", "attention_temperature",
+                                      "attention_window", "relative_position_policy")
 # How the dense kernel computes DeBERTa's c2p / p2c terms (`kernels.scores`): "gather" reads each (i, j) pair's
 # entry from the products with the reachable relative rows; "shift" multiplies by the rows expanded per distance and
 # shifts the result into place; "auto" is "shift" on TPU and GPU, "gather" on CPU (`relative_terms_for`).
@@ -222,6 +226,15 @@ class ModelConfig:
     def trained_positions(self) -> int:
         """Absolute positions `0..trained_positions-1` that training reaches (where the policy starts)."""
         return self.random_position_max if self.randomized_positions else self.effective_trained_length
+
+    def with_options(self, **fields) -> ModelConfig:
+        """This config with `OPTION_FIELDS` replaced (validated again): the one way loading a checkpoint or a trained
+        model changes its config. Any other field would change the parameters, and is refused naming it."""
+        other = sorted(set(fields) - set(OPTION_FIELDS))
+        if other:
+            raise ConfigError(f"model field(s) {other} cannot be changed on a trained model: they change its "
+                              f"parameters; only {list(OPTION_FIELDS)} can")
+        return dataclasses.replace(self, **fields)
 
     def distance_scale(self, seq_len: int) -> float:
         """The factor on every relative distance (`relative_position_policy`): `L / N` when interpolating a

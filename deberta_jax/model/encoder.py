@@ -16,8 +16,6 @@ Dropout (and, with `randomized_positions`, the position sample) is active exactl
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,19 +263,13 @@ class MaskedLM(nnx.Module):
 
 
 def with_options(model: MaskedLM, **fields) -> MaskedLM:
-    """`model`'s parameters under its config with `fields` replaced: fields that change how the parameters are
-    used, not what they are (`config.COMPUTATION_FIELDS`, `absolute_position_policy`, `clamp_relative_positions`),
-    e.g. to evaluate a trained model past its training length. The parameters are
-    shared, not copied; a field that would change them raises ValueError."""
-    cfg = dataclasses.replace(model.cfg, **fields)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(params=0))))
-    state = nnx.state(model)
-    if jax.tree.structure(abstract) != jax.tree.structure(state) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(abstract), jax.tree.leaves(state))):
-        raise ValueError(f"with_options({', '.join(sorted(fields))}) changes the model's parameters; only fields "
-                         "that leave them as they are can be replaced (kernel, block size, remat, layer scan, relative "
-                         "terms, position policies, clamp, attention temperature and window)")
-    return nnx.merge(graphdef, state)
+    """`model`'s parameters under its config with `fields` replaced (`ModelConfig.with_options`: fields that change
+    how the parameters are used, not what they are), e.g. to evaluate a trained model past its training length with
+    another kernel or position policy. The parameters are shared, not copied."""
+    cfg = model.cfg.with_options(**fields)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(params=0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
 
 def check_inputs(cfg: ModelConfig, input_ids, attention_mask, token_type_ids):
     """Validate dtypes, shapes and (when the values are concrete) id ranges; fill defaults.

@@ -21,7 +21,6 @@ transformers exactly as `AutoTokenizer` would.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -91,7 +90,7 @@ def load(path: str | os.PathLike, **overrides) -> MaskedLM:
     `absolute_position_policy="clip"`).
     """
     config, tensors = read_checkpoint(path)
-    cfg = dataclasses.replace(config_from_hf(config), **overrides)
+    cfg = config_from_hf(config).with_options(**overrides)
     # Abstract parameters: every one is replaced by a checkpoint tensor, so none is drawn at random first.
     model = nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(0)))
     assign_weights(model, tensors, family=config["model_type"], legacy=config.get("legacy", True))

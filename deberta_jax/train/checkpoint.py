@@ -28,7 +28,6 @@ digest, or a workdir from before digests) is still restored, and still checked f
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -299,11 +298,11 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
 
     `step`: None (or "latest") for the latest checkpoint, "best" for the lowest eval loss, or a step number.
     Only the parameters are read (not the optimizer state); they land on the default device.
-    `overrides` replace `ModelConfig` fields that leave the parameters as they are, e.g.
+    `overrides` replace `ModelConfig` fields that leave the parameters as they are (`ModelConfig.with_options`), e.g.
     `attention_kernel="blockwise"` to evaluate at lengths whose dense attention would not fit.
     """
     config = read_config(workdir)
-    model_config = dataclasses.replace(ModelConfig.from_dict(config.model.to_dict()), **overrides)
+    model_config = ModelConfig.from_dict(config.model.to_dict()).with_options(**overrides)
     tokenizer = tokenizer_lib.load_tokenizer(Path(workdir) / TOKENIZER_FILE)
     manager = checkpoint_manager(workdir, read_only=True)
     chosen = select_step(manager, step, workdir)

@@ -96,6 +96,11 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              f"exceeds config.model.max_position_embeddings={table}, {what}; raise max_position_embeddings "
              f"to at least {seq_len} or shorten seq_len")
     model_config = dataclasses.replace(model_config, trained_length=seq_len)
+    # Training draws attention dropout, which the fused kernel does not implement: refuse now, not at the first step.
+    _require(model_config.attention_kernel != "pallas" or model_config.attention_dropout == 0, "model.attention_kernel",
+             model_config.attention_kernel, f"has no attention dropout, and model.attention_dropout="
+             f"{model_config.attention_dropout}; set model.attention_dropout=0, or train with 'blockwise' or 'dense' "
+             "(same results) and evaluate with 'pallas'")
 
     # ---- train
     train = "train."
