@@ -15,7 +15,6 @@ def get_config(size: str = "tiny"):
     config.model.attention = "entangled"
     config.model.position_biased_input = True
     config.model.layer_norm_eps = 1e-12
-    # The absolute table keeps 512 rows whatever seq_len is: rows past the training length exist
+    # The absolute table keeps its default 512 rows whatever seq_len is: rows past the training length exist
     # (untrained) so that length-extrapolation evaluation can compare the position policies.
-    config.model.max_position_embeddings = 512
     return config

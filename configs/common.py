@@ -68,7 +68,7 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
 
     model = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "trained_length"}
     model["pos_att_type"] = "|".join(model["pos_att_type"])  # a string is easy to override: c2p, p2c, c2p|p2c
-    model.update(hidden_dropout=0.1, attention_dropout=0.1, max_position_embeddings=512, **preset["model"])
+    model.update(**preset["model"])
     config.model = config_dict.ConfigDict(model)
 
     # Devices form a (data, fsdp) mesh: fsdp > 1 splits parameters and optimizer state over that many

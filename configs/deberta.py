@@ -21,15 +21,9 @@ from configs import common
 def get_config(size: str = "tiny"):
     config = common.get_base_config(size)
     seq_len = config.data.get_ref("seq_len")
-    config.model.attention = "disentangled"
-    config.model.position_biased_input = False
-    config.model.layer_norm_eps = 1e-7
-    config.model.pos_att_type = "c2p|p2c"
+    # ModelConfig's defaults are DeBERTa's (disentangled c2p|p2c, no absolute input, no EMD, shared keys, LayerNorm'd
+    # relative table, epsilon 1e-7); only the relative table differs, following the training length.
     # A derived reference, not `seq_len` itself: overriding max_relative_positions must not move the training length.
     config.model.max_relative_positions = seq_len.identity()
     config.model.position_buckets = seq_len // 2
-    config.model.share_att_key = True
-    config.model.norm_rel_ebd = "layer_norm"
-    config.model.clamp_relative_positions = True
-    config.model.use_emd = False
     return config

@@ -1,5 +1,6 @@
 """Synthetic position-diagnostic data: specs, the generator, its tokenizer, packing, and the exact oracle."""
 
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -12,7 +13,7 @@ from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.packing import cache_path, load_or_pack, token_stream
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
-from deberta_jax.study import reference
+from deberta_jax.study import length_study, reference
 from deberta_jax.study.reference import OracleModel, UnigramModel
 from deberta_jax.study.scoring import score_windows
 
@@ -257,3 +258,16 @@ def test_generation_benchmark_reports_rates():
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[1:]] == list(synthetic.TASKS)
     assert all("docs/s" in line and "tokens/s" in line and "pack" in line for line in lines[1:])
+
+
+def test_a_task_without_an_exact_oracle_gets_none(monkeypatch):
+    noisy = dataclasses.replace(synthetic.TASKS["markov"], name="noisy", exact_oracle=False)
+    monkeypatch.setitem(synthetic.TASKS, "noisy", noisy)
+    spec = "synthetic:noisy:validation:docs=2,doc_len=64"
+    assert synthetic.has_exact_oracle("synthetic:markov") and not synthetic.has_exact_oracle(spec)
+    tok = synthetic.tokenizer(spec)
+    em = length_study.EvalModel("m", 0, "w", None, tok, 16)
+    oracles = length_study.oracle_references(em, {"a": "synthetic:markov:validation", "b": spec})
+    assert [o.dataset for o in oracles] == ["a"]
+    with pytest.raises(ValueError, match="registers no exact oracle"):
+        OracleModel(spec, tok)

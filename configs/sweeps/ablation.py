@@ -49,19 +49,13 @@ def get_config(arg: str = "cpu"):
     sweep.workdir_root = "runs/ablation"
     sweep.report_dir = "results/ablation"
     sweep.table_policy = "clip"
-    sweep.eval = config_dict.ConfigDict(dict(
-        data_files={"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
-        multiples=[1, 2, 4, 8], extra=[], policies=["untrained", "clip"],
-        protocols=["chunked", "fixed_target"], max_eval_tokens=30000, num_targets=32, bootstrap=1000))
+    sweep.eval = variants.eval_settings(
+        {"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
+        policies=["untrained", "clip"])
     if arg == "smoke":  # seconds: for tests of the runner
         sweep.variants = sweep.variants[:2]
         sweep.seeds = [0]
-        sweep.seq_lens = [16]
-        sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=300))
-        sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
-                                                 checkpoint_every=4, log_every=2))
-        sweep.eval.multiples, sweep.eval.extra = [1, 2], []
-        sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
+        variants.shrink_to_smoke(sweep, vocab_size=300)
     elif arg not in ("cpu", "full"):
         raise ValueError(f"unknown sweep arg {arg!r}; use 'cpu', 'full' or 'smoke'")
     return sweep

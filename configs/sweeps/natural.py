@@ -99,17 +99,9 @@ def get_config(arg: str = ""):
                         "flat": "results/natural-flat"}.get(arg, "results/natural")
     sweep.table_policy = "clip"
     methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"]}
-    sweep.eval = config_dict.ConfigDict(dict(
-        data_files={"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
-        multiples=[1, 2, 4, 8], extra=[], policies=["untrained", "clip", "interpolate"],
-        protocols=["chunked", "fixed_target"], max_eval_tokens=30000, num_targets=32, bootstrap=1000,
-        methods=methods.get(arg, [])))
+    sweep.eval = variants.eval_settings(
+        {"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
+        methods=methods.get(arg, methods["flat"] if arg == "smoke" else []))
     if arg == "smoke":  # seconds: for tests of the config
-        sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=300))
-        sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
-                                                 checkpoint_every=4, log_every=2))
-        sweep.seq_lens = [16]
-        sweep.eval.multiples = [1, 2]
-        sweep.eval.methods = list(methods["flat"])
-        sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
+        variants.shrink_to_smoke(sweep, vocab_size=300)
     return sweep

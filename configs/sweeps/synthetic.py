@@ -15,14 +15,13 @@ Bayes-optimal oracle, so a loss reads as the share of the learnable gap a model 
 from ml_collections import config_dict
 
 from configs.sweeps import variants
-
-TASKS = ("markov", "stride")
+from deberta_jax.data.synthetic import TASKS
 
 
 def get_config(arg: str = "markov"):
     task, _, size = arg.partition(",")
     if task not in TASKS or size not in ("", "smoke"):
-        raise ValueError(f"unknown sweep arg {arg!r}; use one of {TASKS}, optionally with ',smoke' "
+        raise ValueError(f"unknown sweep arg {arg!r}; use one of {tuple(TASKS)}, optionally with ',smoke' "
                          "(e.g. 'markov,smoke')")
     sweep = config_dict.ConfigDict()
     sweep.title = f"Position schemes on synthetic:{task}"
@@ -41,17 +40,9 @@ def get_config(arg: str = "markov"):
     sweep.workdir_root = f"runs/synthetic-{task}"
     sweep.report_dir = f"results/synthetic/{task}"
     sweep.table_policy = "clip"
-    sweep.eval = config_dict.ConfigDict(dict(
-        data_files={f"{task}/test": f"synthetic:{task}:test"}, multiples=[1, 2, 4, 8], extra=[],
-        policies=["untrained", "clip", "interpolate"], protocols=["chunked", "fixed_target"],
-        max_eval_tokens=40000, num_targets=32, bootstrap=1000))
+    sweep.eval = variants.eval_settings({f"{task}/test": f"synthetic:{task}:test"}, max_eval_tokens=40000)
     if size == "smoke":  # seconds: for tests of the runner
         sweep.variants = sweep.variants[:2]
         sweep.seeds = [0]
-        sweep.seq_lens = [16]
-        sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64))
-        sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
-                                                 checkpoint_every=4, log_every=2))
-        sweep.eval.multiples = [1, 2]
-        sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
+        variants.shrink_to_smoke(sweep)
     return sweep

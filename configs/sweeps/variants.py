@@ -51,6 +51,27 @@ def deberta_extras():
     ]
 
 
+def eval_settings(data_files: dict, **changes) -> config_dict.ConfigDict:
+    """The length study's settings every sweep shares (`deberta_jax.study.length_study.StudySettings`), with
+    `changes`: 1x-8x the training length, every absolute-table policy, both protocols, 30k tokens per text."""
+    settings = dict(data_files=data_files, multiples=[1, 2, 4, 8], extra=[],
+                    policies=["untrained", "clip", "interpolate"], protocols=["chunked", "fixed_target"],
+                    max_eval_tokens=30000, num_targets=32, bootstrap=1000, methods=[])
+    settings.update(changes)
+    return config_dict.ConfigDict(settings)
+
+
+def shrink_to_smoke(sweep: config_dict.ConfigDict, **model) -> None:
+    """Make `sweep` train and evaluate in seconds, for tests of a config and of the runner: a one-layer 32-wide
+    encoder (plus `model` changes), 4 steps at length 16, evaluated at 1x and 2x on 3,000 tokens."""
+    sweep.seq_lens = [16]
+    sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64, **model))
+    sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
+                                             checkpoint_every=4, log_every=2))
+    sweep.eval.multiples = [1, 2]
+    sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
+
+
 def recipe():
     """The shared CPU-scale recipe: a 2 x 128 encoder (4 heads) trained at length 64 for 800 steps of 32 rows."""
     return dict(model=dict(num_layers=2, hidden_size=128, num_heads=4, intermediate_size=512),

@@ -53,15 +53,32 @@ SYNTHETIC_PREFIX = "synthetic:"
 # Bump when the documents a spec generates change, so packed caches of older generators are not reused.
 GENERATOR_VERSION = 1
 SYMBOL_PREFIX = "s"
-TASKS = ("markov", "stride")
 SPLITS = ("train", "validation", "test")
 SPLIT_TOKENS = {"train": 2_000_000, "validation": 100_000, "test": 100_000}
 DEFAULTS = {"vocab": 32, "order": 1, "branch": 3, "stride": 16, "doc_len": 2048, "seed": 0}
-# Parameters each task reads; `docs` has a per-split default (see `_default_docs`).
-TASK_PARAMS = {
-    "markov": ("vocab", "order", "branch", "doc_len", "docs", "seed"),
-    "stride": ("vocab", "order", "branch", "stride", "doc_len", "docs", "seed"),
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskKind:
+    """A registered task: the parameters it reads (`docs` has a per-split default, see `_default_docs`), how it
+    lays out symbols, and whether `study.reference.OracleModel` computes its exact Bayes-optimal loss.
+
+    Every task here is a stationary Markov chain (`Chain`) read along positions t, t + D, t + 2D, ... (D =
+    `stride`, 1 without interleaving), which is what the oracle's forward-backward pass assumes; a task of
+    another kind registers `exact_oracle=False`, and the study then scores no oracle for it.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    interleaved: bool  # reads `stride` (else stride is 1)
+    exact_oracle: bool = True
+
+
+# The one list of synthetic tasks: specs, the sweep configs and the oracle read it.
+TASKS = {kind.name: kind for kind in (
+    TaskKind("markov", ("vocab", "order", "branch", "doc_len", "docs", "seed"), interleaved=False),
+    TaskKind("stride", ("vocab", "order", "branch", "stride", "doc_len", "docs", "seed"), interleaved=True),
+)}
 MINIMA = {"vocab": 2, "order": 1, "branch": 1, "stride": 1, "doc_len": 1, "docs": 1, "seed": 0}
 # The transition table has vocab ** (order + 1) entries (float64); this bound keeps it under 32 MiB.
 MAX_TABLE_ENTRIES = 1 << 22
@@ -91,7 +108,7 @@ class Task:
     @property
     def spec(self) -> str:
         """The canonical spec: the same for every way of writing this task (defaults spelled out, sorted)."""
-        params = ",".join(f"{name}={getattr(self, name)}" for name in sorted(TASK_PARAMS[self.name]))
+        params = ",".join(f"{name}={getattr(self, name)}" for name in sorted(TASKS[self.name].params))
         return f"{SYNTHETIC_PREFIX}{self.name}:{self.split}:{params}"
 
 
@@ -106,7 +123,7 @@ def _default_docs(split: str, doc_len: int) -> int:
 
 
 def _parse_params(spec: str, text: str, name: str) -> dict[str, int]:
-    valid = TASK_PARAMS[name]
+    valid = TASKS[name].params
     params: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
@@ -138,7 +155,7 @@ def parse(spec: str) -> Task:
     split = (rest[0] if rest else "") or "train"
     if split not in SPLITS:
         raise _spec_error(spec, f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-    params = {**DEFAULTS, "stride": DEFAULTS["stride"] if name == "stride" else 1}
+    params = {**DEFAULTS, "stride": DEFAULTS["stride"] if TASKS[name].interleaved else 1}
     params.update(_parse_params(spec, params_text, name))
     params.setdefault("docs", _default_docs(split, params["doc_len"]))
     if params["branch"] > params["vocab"]:
@@ -149,6 +166,11 @@ def parse(spec: str) -> Task:
         raise _spec_error(spec, f"vocab**(order+1) = {vocab}**{order + 1} transition probabilities exceed "
                                 f"{MAX_TABLE_ENTRIES}; lower vocab or order")
     return Task(name=name, split=split, **params)
+
+
+def has_exact_oracle(spec: str) -> bool:
+    """Whether the task of `spec` registers an exact Bayes-optimal oracle (`TaskKind.exact_oracle`)."""
+    return TASKS[parse(spec).name].exact_oracle
 
 
 def canonical_spec(spec: str) -> str:

@@ -126,7 +126,8 @@ def oracle_references(em: EvalModel, datasets: dict[str, str]) -> list[EvalModel
     `em`'s tokenizer and training length (the windows and targets of `em`'s rows)."""
     return [EvalModel("oracle", "-", f"oracle({spec})", OracleModel(spec, em.tokenizer), em.tokenizer, em.train_len,
                       dataset=name)
-            for name, spec in datasets.items() if synthetic.is_synthetic_spec(spec)]
+            for name, spec in datasets.items()
+            if synthetic.is_synthetic_spec(spec) and synthetic.has_exact_oracle(spec)]
 
 
 # The share of [UNK] tokens in an evaluation text above which the study warns (natural text under its own

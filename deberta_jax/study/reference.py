@@ -55,6 +55,8 @@ class OracleModel:
     """
 
     def __init__(self, spec: str, tokenizer: Tokenizer):
+        if not synthetic.has_exact_oracle(spec):
+            raise ValueError(f"{spec}: its task registers no exact oracle (synthetic.TaskKind.exact_oracle)")
         task = synthetic.parse(spec)
         self.chain = synthetic.chain(task)
         self.stride = task.stride

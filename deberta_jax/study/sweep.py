@@ -173,7 +173,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         lambda: length_study.unigram_reference(length_study.load_workdir_model(first)), datasets, settings, corpora)
     records += recs
     for i, (name, spec) in enumerate(sweep.eval.data_files.items()):
-        if synthetic.is_synthetic_spec(spec):
+        if synthetic.is_synthetic_spec(spec) and synthetic.has_exact_oracle(spec):
             recs, _ = cached_study(
                 os.path.join(sweep.workdir_root, f"oracle{i}_" + EVAL_CACHE),
                 dict(base, oracle=spec, windows_from=first_identity),
