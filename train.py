@@ -35,7 +35,7 @@ from deberta_jax.data import batches, errors, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
-from deberta_jax.train import checkpoint, metrics_io, sharding, validation, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, metrics_io, sharding, workdir_lock
 from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
@@ -71,7 +71,7 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
         try:
             return tokenizer_lib.load_tokenizer(own)
         except ValueError:  # load_tokenizer's hint (config.data.tokenizer) does not apply: resuming ignores it
-            raise validation.ConfigError(
+            raise config_checks.ConfigError(
                 f"{own} cannot be read (truncated, or not a tokenizers JSON), and the checkpoints in {workdir} were "
                 "trained with its token ids. "
                 f"Restore {checkpoint.TOKENIZER_FILE} from a copy of the workdir or an export of it "
@@ -104,7 +104,7 @@ def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
     saved.model = config_dict.ConfigDict(ModelConfig.from_dict(saved.model.to_dict()).to_dict())
     if VOCAB_REQUEST not in saved.data:  # a workdir from before the request was recorded
         saved.data[VOCAB_REQUEST] = run.data[VOCAB_REQUEST]
-    changes = validation.differences(saved, run)
+    changes = config_checks.differences(saved, run)
     # Kernel, remat and scan change how the parameters are computed with, not what they are: checkpoints load.
     computation = {f"model.{name}" for name in COMPUTATION_FIELDS}
     model_changes = {k: v for k, v in changes.items()
@@ -112,7 +112,7 @@ def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
     if "model.trained_length" in model_changes:  # derived, not settable: name the field the user changed
         model_changes["data.seq_len"] = model_changes.pop("model.trained_length")
     if model_changes:
-        raise validation.ConfigError(
+        raise config_checks.ConfigError(
             f"{workdir} holds checkpoints of another model; changed: "
             + ", ".join(f"config.{k} {a!r} -> {b!r}" for k, (a, b) in model_changes.items())
             + ". Use a new --workdir, or the saved config.json's model values.")
@@ -159,7 +159,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
-    model_config = validation.validate(config, num_devices=jax.device_count())
+    model_config = config_checks.validate(config, num_devices=jax.device_count())
     mesh = sharding.make_mesh(config.mesh.fsdp)
     train_cfg, seq_len = config.train, config.data.seq_len
     if train_cfg.warmup_steps >= train_cfg.num_steps:
@@ -171,7 +171,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
     tokenizer = prepare_tokenizer(config, workdir)
     vocab_size = tokenizer.get_vocab_size()
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
-    run = validation.resolved(config, model_config)  # what config.json records
+    run = config_checks.resolved(config, model_config)  # what config.json records
     # The vocabulary a trained tokenizer was asked for: resuming reuses the workdir's tokenizer, so a changed
     # config.model.vocab_size must be refused (check_resumable), not silently ignored.
     trains_tokenizer = not (config.data.tokenizer or synthetic.is_synthetic_spec(config.data.train_files))
@@ -186,7 +186,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
                                      max_batches=train_cfg.eval_batches,
                                      process_index=jax.process_index(), process_count=jax.process_count())
     if evals and not any(batch["weights"].any() for batch in evals):
-        raise validation.ConfigError(
+        raise config_checks.ConfigError(
             f"config.data.eval_files={config.data.eval_files!r} yields no masked targets ({len(evals)} batches): "
             "the eval loss would be undefined. Give more evaluation text, or set config.data.eval_files='' to "
             "train without evaluation.")
@@ -310,4 +310,4 @@ def main(argv):
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(errors.reporting_user_errors(main, "train.py", also=(checkpoint.DamagedCheckpointError, NonFiniteError)),
-            flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "config"))
+            flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "config"))

@@ -199,14 +199,14 @@ def time_steps(inp: Input, num_steps: int, rounds: int, grain_threads: int, grai
     import jax
 
     from configs import deberta
-    from deberta_jax.train import optim, steps, validation
+    from deberta_jax.train import config_checks, optim, steps
 
     rows, masker = open_rows(inp)
     vocab_size = Tokenizer.from_str(inp.tokenizer_json).get_vocab_size()
     config = deberta.get_config("tiny")
     config.data.seq_len, config.data.train_files = inp.seq_len, inp.spec
     config.train.batch_size = inp.batch_size
-    model_config = dataclasses.replace(validation.validate(config, num_devices=jax.device_count()),
+    model_config = dataclasses.replace(config_checks.validate(config, num_devices=jax.device_count()),
                                        vocab_size=vocab_size)
     tc = config.train
     schedule = optim.learning_rate_schedule(tc.learning_rate, tc.warmup_steps, tc.num_steps, tc.schedule)

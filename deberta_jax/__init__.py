@@ -10,5 +10,5 @@ Subpackages follow the import layers, each importing only from the ones before i
     export   a trained workdir as a transformers checkpoint   (-> data, model, train)
 
 `train.py` and `eval.py` at the repository root are the entry points, with `python -m deberta_jax.export`;
-`tests/test_layers.py` checks the layering.
+`tests/test_architecture.py` checks the layering.
 """

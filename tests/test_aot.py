@@ -12,8 +12,8 @@ import pytest
 from configs import bert, deberta
 from deberta_jax.aot import analysis, build
 from deberta_jax.aot.chips import CHIPS, GIB, TopologyError, parse_topology, tpu_slice
+from deberta_jax.train import config_checks, sharding
 from deberta_jax.train import programs as run_programs
-from deberta_jax.train import sharding, validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +82,7 @@ def test_model_flops_match_the_compiled_matmuls(v5e_2x2):
     element-wise work XLA also counts."""
     config = micro()
     config.model.update(hidden_size=128, intermediate_size=512, num_heads=4)
-    model_config = validation.validate(config, num_devices=4)
+    model_config = config_checks.validate(config, num_devices=4)
     report = build._compile_length_forward(model_config, "dense", 256, 4096, v5e_2x2)
     assert report.cost is not None
     assert 0.9 < report.cost.flops / report.model_flops < 1.1, (report.cost.flops, report.model_flops)

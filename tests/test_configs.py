@@ -9,7 +9,7 @@ import pytest
 
 from configs import bert, common, deberta
 from deberta_jax.model.config import ConfigError
-from deberta_jax.train.validation import resolved, validate
+from deberta_jax.train.config_checks import resolved, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = {"bert": bert, "deberta": deberta}

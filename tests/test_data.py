@@ -200,7 +200,7 @@ def test_second_call_hits_cache(tmp_path, corpus, documents, tokenizer, monkeypa
         raise AssertionError("tokenized again despite a cached result")
 
     monkeypatch.setattr(packing, "iter_documents", fail)
-    monkeypatch.setattr(packing.encoding, "encode_stream", fail)
+    monkeypatch.setattr(packing.parallel_encode, "encode_stream", fail)
     assert_same(load_or_pack(str(corpus), tokenizer, 32, cache), first)
     assert "cache hit" in caplog.text
     assert [p.name for p in cache.iterdir()] == [packing.cache_path(str(corpus), tokenizer, cache).name]  # no temps
@@ -234,7 +234,7 @@ def test_interrupted_write_leaves_no_cache(tmp_path, corpus, documents, tokenize
         yield np.arange(5, 50, dtype=np.uint16)  # half a stream written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(packing.encoding, "encode_stream", interrupted_encoding)
+    monkeypatch.setattr(packing.parallel_encode, "encode_stream", interrupted_encoding)
     with pytest.raises(KeyboardInterrupt):
         load_or_pack(str(corpus), tokenizer, 32, cache)
     assert list(cache.iterdir()) == []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from deberta_jax.data import batches, encoding, packing, store, text
+from deberta_jax.data import batches, packing, parallel_encode, store, text
 from deberta_jax.data.packing import StreamRows, cut_rows, get_batch, load_or_pack, pack_stream
 from deberta_jax.data.tokenizer import SpecialIds, configure, train_tokenizer
 
@@ -120,15 +120,15 @@ def test_cached_rows_and_batches_equal_the_old_packing(tmp_path, corpus, documen
 
 
 def test_parallel_tokenization_equals_the_tokenizer(tmp_path, corpus, documents, tokenizer, monkeypatch):
-    monkeypatch.setattr(encoding, "TASK_CHARS", 20_000)  # several tasks, so the worker processes run
+    monkeypatch.setattr(parallel_encode, "TASK_CHARS", 20_000)  # several tasks, so the worker processes run
     started = []
-    real = encoding._Worker.__init__
+    real = parallel_encode._Worker.__init__
 
     def counted(worker, *args):
         started.append(worker)
         real(worker, *args)
 
-    monkeypatch.setattr(encoding._Worker, "__init__", counted)
+    monkeypatch.setattr(parallel_encode._Worker, "__init__", counted)
     rows = load_or_pack(str(corpus), tokenizer, 32, tmp_path / "cache", workers=2)
     assert len(started) == 2 and all(worker.process.returncode == 0 for worker in started)  # ended cleanly
     assert_same_rows(rows.take(np.arange(rows.num_rows)), old_pack_documents(documents, tokenizer, 32))
@@ -153,18 +153,18 @@ def test_piece_cache_equals_the_tokenizer_on_adversarial_text(tokenizer):
     metaspace.pre_tokenizer, metaspace.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     metaspace.normalizer = normalizers.Lowercase()
     cases = {"project": tokenizer, "cased": cased, "whitespace": whitespace, "metaspace": metaspace}
-    assert {name: encoding.splits_at_spaces(t) for name, t in cases.items()} == {
+    assert {name: parallel_encode.splits_at_spaces(t) for name, t in cases.items()} == {
         "project": True, "cased": True, "whitespace": True, "metaspace": False}
     for name, tok in cases.items():
         for seed in range(3):
             docs = adversarial_documents(seed)
-            encoder = encoding.DocumentEncoder(tok, SPECIAL.sep, np.int32)
+            encoder = parallel_encode.DocumentEncoder(tok, SPECIAL.sep, np.int32)
             got = np.concatenate([encoder(docs[:30]), [SPECIAL.sep], encoder(docs[30:])])  # the second call hits
             np.testing.assert_array_equal(got, old_token_stream(docs, tok, SPECIAL.sep), err_msg=f"{name} {seed}")
 
 
 def test_piece_cache_starts_over_when_full(tokenizer, documents):
-    cache = encoding.PieceCache(tokenizer, SPECIAL.sep, max_entries=50)
+    cache = parallel_encode.PieceCache(tokenizer, SPECIAL.sep, max_entries=50)
     pieces = " ".join(documents[:3]).split(" ")
     for start in range(0, 600, 100):
         entries = cache.lookup(pieces[start : start + 100])
@@ -215,7 +215,7 @@ def test_training_batches_do_not_load_the_corpus(tmp_path):
 def test_concurrent_preparations_write_one_store(tmp_path, corpus, documents, tokenizer, monkeypatch, caplog):
     caplog.set_level(logging.INFO)
     both_writing = threading.Barrier(2, timeout=30)
-    real = encoding.encode_stream
+    real = parallel_encode.encode_stream
 
     def synchronized(*args, **kwargs):  # both threads are mid-write before either can commit
         for i, piece in enumerate(real(*args, **kwargs)):
@@ -223,7 +223,7 @@ def test_concurrent_preparations_write_one_store(tmp_path, corpus, documents, to
                 both_writing.wait()
             yield piece
 
-    monkeypatch.setattr(packing.encoding, "encode_stream", synchronized)
+    monkeypatch.setattr(packing.parallel_encode, "encode_stream", synchronized)
     results = [None, None]
 
     def prepare(i):

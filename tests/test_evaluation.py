@@ -16,7 +16,7 @@ from deberta_jax.data.tokenizer import SpecialIds, train_tokenizer
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, report, scoring
-from deberta_jax.study.reference import UnigramModel
+from deberta_jax.study.baselines import UnigramModel
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, tmp_path):
 
 
 def test_unigram_floor_scores_the_same_targets(corpus, docs, tok):
-    from deberta_jax.study.reference import UnigramModel
+    from deberta_jax.study.baselines import UnigramModel
 
     unigram = UnigramModel(corpus.tokens, tok.get_vocab_size(), corpus.special)
     em = length_study.EvalModel("unigram", "-", "counts", unigram, tok, 16)

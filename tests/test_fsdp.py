@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from configs import deberta
-from deberta_jax.train import validation
+from deberta_jax.train import config_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,5 +89,5 @@ def test_fsdp_must_divide_the_device_count():
     config = deberta.get_config("micro")
     config.data.train_files = "unused.txt"
     config.mesh.fsdp = 3
-    with pytest.raises(validation.ConfigError, match="mesh.fsdp=3 must divide the number of devices"):
-        validation.validate(config, num_devices=8)
+    with pytest.raises(config_checks.ConfigError, match="mesh.fsdp=3 must divide the number of devices"):
+        config_checks.validate(config, num_devices=8)

@@ -24,7 +24,7 @@ from configs import deberta
 from deberta_jax.data import errors, packing, text
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.study import length_study, report, scoring
-from deberta_jax.train import checkpoint, metrics_io, validation, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, metrics_io, workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -212,7 +212,7 @@ def test_resuming_with_another_vocab_size_is_refused_and_older_workdirs_still_re
     config.model.vocab_size = 120
     train.train_and_evaluate(config, tmp_path / "run", stop_at_step=2)
     config.model.vocab_size = 150
-    with pytest.raises(validation.ConfigError, match=r"tokenizer_trained_for_vocab_size 120 -> 150"):
+    with pytest.raises(config_checks.ConfigError, match=r"tokenizer_trained_for_vocab_size 120 -> 150"):
         train.train_and_evaluate(config, tmp_path / "run")
     # A workdir written before layer_norm_placement (and the vocabulary record) existed resumes as it was.
     saved = json.loads((tmp_path / "run" / checkpoint.CONFIG_FILE).read_text())
@@ -463,6 +463,6 @@ def test_evaluation_text_without_targets_is_refused_at_start_up(cache, tmp_path)
     (tmp_path / "one_word.txt").write_text("a\n")
     config = micro_config(cache)
     config.data.eval_files = str(tmp_path / "one_word.txt")
-    with pytest.raises(validation.ConfigError, match=r"one_word.txt.* yields no masked targets .*eval_files=''"):
+    with pytest.raises(config_checks.ConfigError, match=r"one_word.txt.* yields no masked targets .*eval_files=''"):
         train.train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run" / checkpoint.CHECKPOINT_DIR).exists()

@@ -13,8 +13,8 @@ from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.packing import cache_path, load_or_pack, token_stream
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
-from deberta_jax.study import length_study, reference
-from deberta_jax.study.reference import OracleModel, UnigramModel
+from deberta_jax.study import baselines, length_study
+from deberta_jax.study.baselines import OracleModel, UnigramModel
 from deberta_jax.study.scoring import score_windows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +228,7 @@ def test_oracle_equals_brute_force_enumeration(spec, monkeypatch):
         for c in np.flatnonzero(hidden[r]):
             np.testing.assert_allclose(post[r, c], expected[c], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(nll, -np.log(post.reshape(-1, task.vocab)[positions, oracle.symbol_of[labels]]))
-    monkeypatch.setattr(reference, "MESSAGE_BUDGET", 1)  # one row at a time
+    monkeypatch.setattr(baselines, "MESSAGE_BUDGET", 1)  # one row at a time
     np.testing.assert_allclose(oracle.posteriors(ids, mask, hidden), post, rtol=1e-12)
 
 

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from deberta_jax.aot import analysis, build
 from deberta_jax.aot.chips import GIB, TopologyError, tpu_slice
-from deberta_jax.train import validation
+from deberta_jax.train import config_checks
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:base.", lock_config=True)
 flags.DEFINE_string("topology", None, "TPU slice: GENERATION:GRID, e.g. v5e:4x4, v6e:2x4, v5p:2x2x2, v4:2x2x4.")
@@ -91,7 +91,7 @@ def main(argv):
         tpu = tpu_slice(FLAGS.topology, FLAGS.num_slices)
         reports = build.compile_run(config, tpu, programs=FLAGS.programs, length_multiple=FLAGS.length_multiple,
                                     length_kernels=FLAGS.length_kernels)
-    except (TopologyError, validation.ConfigError, RuntimeError, ValueError) as err:
+    except (TopologyError, config_checks.ConfigError, RuntimeError, ValueError) as err:
         sys.exit(f"error: {err}")
     label = _config_label()
     model = config.model
@@ -123,4 +123,4 @@ def _config_label() -> str:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "topology"])
-    app.run(main, flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "config"))
+    app.run(main, flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "config"))

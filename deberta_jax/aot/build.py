@@ -22,8 +22,8 @@ from deberta_jax.aot.chips import GIB, TpuSlice
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, scoring
+from deberta_jax.train import config_checks, sharding, steps
 from deberta_jax.train import programs as run_programs
-from deberta_jax.train import sharding, steps, validation
 
 PROGRAMS = ("train", "eval", "length")
 # The kernels the length study's forward is compiled with by default: the fused Pallas kernel is Triton (GPU)
@@ -54,7 +54,7 @@ def length_forward_config(model_config: ModelConfig, kernel: str) -> ModelConfig
 def model_config_for(config: config_dict.ConfigDict, tpu: TpuSlice) -> ModelConfig:
     """The model `train.py` would build from `config` on `tpu`: validated for its chips, "auto" settings resolved
     for a TPU rather than for this CPU."""
-    model_config = validation.validate(config, num_devices=tpu.num_chips)
+    model_config = config_checks.validate(config, num_devices=tpu.num_chips)
     return dataclasses.replace(model_config, relative_terms=model_config.relative_terms_for("tpu"))
 
 
@@ -62,7 +62,7 @@ def compile_run(config: config_dict.ConfigDict, tpu: TpuSlice, *, programs: Sequ
                 length_multiple: int = 8, length_kernels: Sequence[str] = LENGTH_KERNELS,
                 tokens_per_batch: int = length_study.StudySettings.tokens_per_batch) -> list[analysis.ProgramReport]:
     """Compile `programs` of the run `config` describes for `tpu`; one report each (the length forward once per
-    kernel). Raises `validation.ConfigError` for a config `train.py` would refuse on this slice."""
+    kernel). Raises `config_checks.ConfigError` for a config `train.py` would refuse on this slice."""
     model_config = model_config_for(config, tpu)
     mesh = sharding.make_mesh(config.mesh.fsdp, tpu.devices)
     run = run_programs.build(config, model_config, mesh)

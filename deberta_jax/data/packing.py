@@ -29,7 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from deberta_jax.data import encoding, store, synthetic
+from deberta_jax.data import parallel_encode, store, synthetic
 from deberta_jax.data.text import is_hf_spec, iter_documents, resolve_files
 from deberta_jax.data.tokenizer import CONTINUATION_PREFIX, SpecialIds
 
@@ -92,7 +92,7 @@ def token_stream(documents: Iterable[str], tokenizer: Tokenizer, sep_id: int) ->
     In this process and in memory: for evaluation texts; corpora go through `load_or_pack`.
     """
     documents = list(documents)
-    pieces = list(encoding.encode_stream(documents, tokenizer, sep_id, np.int32, workers=1))
+    pieces = list(parallel_encode.encode_stream(documents, tokenizer, sep_id, np.int32, workers=1))
     if not pieces:
         raise NoTokensError(f"its {len(documents)} documents contain no tokens after the tokenizer's normalization")
     return np.concatenate(pieces)
@@ -228,7 +228,7 @@ def load_or_pack(spec: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str |
         documents = _Counted(tqdm(iter_documents(spec), desc="tokenizing", unit="doc", disable=None))
         vocab_size = tokenizer.get_vocab_size()
         dtype = store.token_dtype(vocab_size)
-        pieces = encoding.encode_stream(documents, tokenizer, special.sep, dtype, workers or os.cpu_count() or 1)
+        pieces = parallel_encode.encode_stream(documents, tokenizer, special.sep, dtype, workers or os.cpu_count() or 1)
         info = {"format": CACHE_FORMAT, "spec": spec, "vocab_size": vocab_size}
         tokens = store.build(path, _nonempty(pieces, spec, documents), dtype, info)
     return StreamRows(tokens, special, seq_len, continuation_table(tokenizer))

@@ -61,7 +61,7 @@ DEFAULTS = {"vocab": 32, "order": 1, "branch": 3, "stride": 16, "doc_len": 2048,
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
     """A registered task: the parameters it reads (`docs` has a per-split default, see `_default_docs`), how it
-    lays out symbols, and whether `study.reference.OracleModel` computes its exact Bayes-optimal loss.
+    lays out symbols, and whether `study.baselines.OracleModel` computes its exact Bayes-optimal loss.
 
     Every task here is a stationary Markov chain (`Chain`) read along positions t, t + D, t + 2D, ... (D =
     `stride`, 1 without interleaving), which is what the oracle's forward-backward pass assumes; a task of

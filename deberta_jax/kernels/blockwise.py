@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from deberta_jax.kernels import dropout
+from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import ScoreTerms, mask_keys
 
 
@@ -61,7 +61,7 @@ Forward = Callable[[Blocks], tuple[jax.Array, jax.Array]]
 
 def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...], rate: float) -> jax.Array:
     """The keep mask of attention dropout for key block `block`."""
-    return dropout.keep_mask(jax.random.fold_in(key, block), shape, rate)
+    return dropout_masks.keep_mask(jax.random.fold_in(key, block), shape, rate)
 
 
 def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, block_size: int,
@@ -118,7 +118,7 @@ def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
         norm = norm * correction + p.sum(axis=-1)
         keep = dropout_keep(blocks.dropout_key, block, p.shape, rate) if rate else None
         acc = acc * correction[..., None] + jnp.einsum(
-            "bhij,bhjd->bhid", dropout.apply(p, keep, rate).astype(value_block.dtype), value_block,
+            "bhij,bhjd->bhid", dropout_masks.apply(p, keep, rate).astype(value_block.dtype), value_block,
             preferred_element_type=jnp.float32)
         return (m_new, norm, acc), None
 
@@ -142,9 +142,9 @@ def _online_softmax_bwd(rate, forward, residuals, d_out):
                                blocks.queries, key_block)
         p = jnp.exp(scores - lse[..., None])
         keep = dropout_keep(blocks.dropout_key, block, p.shape, rate) if rate else None
-        d_value = jnp.einsum("bhij,bhid->bhjd", dropout.apply(p, keep, rate).astype(value_block.dtype),
+        d_value = jnp.einsum("bhij,bhid->bhjd", dropout_masks.apply(p, keep, rate).astype(value_block.dtype),
                              d_out.astype(value_block.dtype), preferred_element_type=jnp.float32)
-        dp = dropout.apply(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
+        dp = dropout_masks.apply(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
         d_qs, d_key = pull(p * (dp - delta[..., None]))
         d_queries = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_queries, d_qs)
         return d_queries, (d_key, d_value.astype(value_block.dtype))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deberta_jax.kernels import dropout
+from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import ScoreTerms, mask_keys
 
 
@@ -29,5 +29,6 @@ def dense_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
     scores = terms.scores(np.arange(v.shape[-2])).astype(jnp.float32)
     probs = jax.nn.softmax(mask_keys(scores, key_mask[:, None, None, :].astype(bool)), axis=-1)
     if dropout_key is not None and dropout_rate > 0:
-        probs = dropout.apply(probs, dropout.keep_mask(dropout_key, probs.shape, dropout_rate), dropout_rate)
+        keep = dropout_masks.keep_mask(dropout_key, probs.shape, dropout_rate)
+        probs = dropout_masks.apply(probs, keep, dropout_rate)
     return jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), v)

@@ -13,7 +13,7 @@ arrives already rotated.
 Only the forward pass is fused. Gradients come from the blockwise kernel's FlashAttention backward
 (`blockwise._online_softmax_bwd`), which recomputes each key block's scores from the log-sum-exp this
 kernel saves, so training through it keeps memory linear in length too. There is no attention
-dropout in the fused pass (Triton has no generator matching `deberta_jax.kernels.dropout`): with a dropout
+dropout in the fused pass (Triton has no generator matching `deberta_jax.kernels.dropout_masks`): with a dropout
 rate and a dropout key (training) the call is refused with the fix.
 
 On a GPU the kernel is compiled by Triton. On CPU and TPU it runs in Pallas' interpret mode, which

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax.kernels import dispatch, dropout
+from deberta_jax.kernels import dispatch
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms
 from deberta_jax.model import positions
 from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.dropout import Dropout
 from deberta_jax.model.parameters import dense
 
 
@@ -91,7 +92,7 @@ class SelfAttention(nnx.Module):
         separate = cfg.attention == "disentangled" and not cfg.share_att_key
         self.pos_key_proj = dense(cfg, h, h, rngs) if separate and "c2p" in cfg.pos_att_type else None
         self.pos_query_proj = dense(cfg, h, h, rngs) if separate and "p2c" in cfg.pos_att_type else None
-        self.pos_dropout = dropout.Dropout(cfg.hidden_dropout)
+        self.pos_dropout = Dropout(cfg.hidden_dropout)
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from deberta_jax.kernels import dropout
 from deberta_jax.kernels.scores import RelativeIndex
 from deberta_jax.model import positions
 from deberta_jax.model.attention import PositionContext, SelfAttention
 from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.dropout import Dropout
 from deberta_jax.model.parameters import dense, layer_norm, table
 
 ACTIVATIONS = {
@@ -53,7 +53,7 @@ class Embeddings(nnx.Module):
         self.position_embeddings = table(cfg, cfg.max_position_embeddings, rngs) if cfg.uses_absolute_table else None
         self.token_type_embeddings = table(cfg, cfg.type_vocab_size, rngs) if cfg.type_vocab_size else None
         self.norm = layer_norm(cfg, rngs)
-        self.dropout = dropout.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def absolute(self, ctx: PositionContext) -> jax.Array:
         """Absolute position vectors `[1 or B, N, hidden]` for `ctx.position_ids`.
@@ -94,7 +94,7 @@ class EncoderLayer(nnx.Module):
         self.intermediate = dense(cfg, cfg.hidden_size, cfg.intermediate_size, rngs)
         self.output = dense(cfg, cfg.intermediate_size, cfg.hidden_size, rngs)
         self.output_norm = layer_norm(cfg, rngs)
-        self.dropout = dropout.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def _attend(self, hidden, key_mask, ctx, query_states, rngs) -> jax.Array:
         context = self.attention(hidden, key_mask, ctx, query_states=query_states, rngs=rngs)

@@ -25,7 +25,7 @@ from absl import app, flags
 from deberta_jax.data import errors, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
-from deberta_jax.train import checkpoint, metrics_io, validation
+from deberta_jax.train import checkpoint, config_checks, metrics_io
 
 DEFAULT_MARGIN = 0.1
 
@@ -58,7 +58,7 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
 
     def values(workdir):
         config = checkpoint.read_config(workdir)
-        return {key: validation.get_field(config, key) for key in keys}
+        return {key: config_checks.get_field(config, key) for key in keys}
 
     def same(key, a, b):  # data by the files it names, however spelled
         return packing.source_fingerprint(a) == packing.source_fingerprint(b) if key in data_keys else a == b

@@ -26,7 +26,7 @@ from deberta_jax.model import hf
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.study import protocols, scoring
-from deberta_jax.study.reference import OracleModel, UnigramModel
+from deberta_jax.study.baselines import OracleModel, UnigramModel
 from deberta_jax.train import checkpoint
 
 # Ways of running a trained model past its training length, each a set of `ModelConfig` options that change no

@@ -33,7 +33,7 @@ from ml_collections import config_dict, config_flags
 from deberta_jax.data import errors, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
-from deberta_jax.train import checkpoint, validation, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
 flags.DEFINE_enum("mode", "run", ["run", "print", "report"],
@@ -229,4 +229,4 @@ def main(argv):
 if __name__ == "__main__":
     flags.mark_flags_as_required(["sweep"])
     app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.sweep"),
-            flags_parser=lambda argv: validation.parse_config_flags(FLAGS, argv, "sweep"))
+            flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "sweep"))

@@ -43,7 +43,7 @@ def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
 
     Auto axes let XLA propagate shardings from the jit boundary, so the step's reshapes of the
     batch (micro-batches) need no annotations. `fsdp` must divide the device count
-    (`train.validation.validate` checks it first, naming the config field). On several TPU slices
+    (`train.config_checks.validate` checks it first, naming the config field). On several TPU slices
     (multi-slice, devices with a `slice_index`) the fsdp axis stays inside a slice, on the fast
     inter-chip links, and the data axis spans the slices over the data-center network, which then
     carries only the gradient reduction.

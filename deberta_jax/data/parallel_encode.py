@@ -10,7 +10,7 @@ on one core once the frequent pieces are in). Any other tokenizer (SentencePiece
 a truncating one) is encoded document by document, exactly as `Tokenizer.encode_batch` does.
 
 `encode_stream` cuts the documents into tasks of about `TASK_CHARS` characters and, when there is more than
-one, hands them round-robin to worker processes (`python -m deberta_jax.data.encoding`, which import only
+one, hands them round-robin to worker processes (`python -m deberta_jax.data.parallel_encode`, which import only
 numpy and tokenizers, not the caller's main module), keeping one task in flight per worker: memory stays a
 few tasks plus each worker's cache, whatever the corpus size, and the pieces come back in document order.
 """
@@ -170,7 +170,7 @@ def _tasks(documents: Iterable[str], task_chars: int) -> Iterator[list[str]]:
 
 
 class _Worker:
-    """A `python -m deberta_jax.data.encoding` process: pickled document lists in, id arrays out."""
+    """A `python -m deberta_jax.data.parallel_encode` process: pickled document lists in, id arrays out."""
 
     def __init__(self, tokenizer: Tokenizer, sep_id: int, dtype: np.dtype):
         root = str(Path(__file__).resolve().parents[2])  # where `deberta_jax` imports from, installed or not

@@ -1,4 +1,4 @@
-"""Dropout from 16 random bits per element: half the random-number work of `nnx.Dropout`.
+"""Dropout masks from 16 random bits per element: half the random-number work of `nnx.Dropout`.
 
 `jax.random.bernoulli` spends a full 32-bit draw on every element (a float32 uniform). With
 threefry, JAX's default generator and the one whose bits do not depend on how an array is sharded,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 _LEVELS = 1 << 16
 
@@ -44,16 +43,3 @@ def apply(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
     if keep is None:
         return x
     return jnp.where(keep, x / jnp.asarray(keep_probability(rate), x.dtype), jnp.zeros_like(x))
-
-
-class Dropout(nnx.Module):
-    """Drop-in for `nnx.Dropout` that draws `keep_mask` from the `dropout` stream of `rngs`;
-    the identity when `rngs` is None (evaluation) or `rate` is 0."""
-
-    def __init__(self, rate: float):
-        self.rate = float(rate)
-
-    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        if rngs is None or self.rate == 0.0:
-            return x
-        return apply(x, keep_mask(rngs.dropout(), x.shape, self.rate), self.rate)
