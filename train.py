@@ -155,6 +155,63 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
         return _train(config, workdir, stop_at_step)
 
 
+def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
+    """The packed training rows and this process's eval batches (empty without eval files); refuses eval text that
+    yields no masked target, whose loss would be undefined."""
+    seq_len, train_cfg = config.data.seq_len, config.train
+    train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
+    evals = []
+    if config.data.eval_files:
+        eval_data = packing.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
+        evals = batches.eval_batches(eval_data, special, batch_size=train_cfg.batch_size,
+                                     max_batches=train_cfg.eval_batches,
+                                     process_index=jax.process_index(), process_count=jax.process_count())
+    if evals and not any(batch["weights"].any() for batch in evals):
+        raise config_checks.ConfigError(
+            f"config.data.eval_files={config.data.eval_files!r} yields no masked targets ({len(evals)} batches): "
+            "the eval loss would be undefined. Give more evaluation text, or set config.data.eval_files='' to "
+            "train without evaluation.")
+    logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
+    return train_data, evals
+
+
+def resume_or_initialize(workdir: Path, run: config_dict.ConfigDict, programs, keep: int):
+    """`(checkpoint manager, train state)`: the newest intact checkpoint of a run with this config, or a fresh
+    state where the workdir has none (interrupted saves cleared first, and never over a run whose checkpoints are
+    all damaged)."""
+    if jax.process_index() == 0:
+        for name in checkpoint.clear_interrupted_saves(workdir):
+            logging.warning("removed %s: a save that was interrupted (the checkpoint before it is intact)", name)
+    sharding.sync_processes("checkpoints cleared")
+    manager = checkpoint.checkpoint_manager(workdir, keep=keep)
+    state = None
+    if manager.all_steps():
+        check_resumable(workdir, run)
+        targets = run_programs.abstract_with_sharding(programs.abstract_state, programs.state_sharding)
+        state = checkpoint.restore_newest_intact(manager, targets, workdir)
+        logging.info("resuming from the checkpoint at step %d", int(state.step))
+    if state is None:
+        checkpoint.refuse_to_start_over(workdir)
+        state = programs.init()
+    return manager, state
+
+
+def evaluator(evals: list[dict], eval_step, batch_sharding):
+    """`evaluate(params) -> {eval_loss, eval_accuracy}` over all eval batches: sums added on device, divided once."""
+    def evaluate(params) -> dict[str, float]:
+        totals = None
+        for batch in evals:
+            sums = eval_step(params, sharding.global_batch(batch, batch_sharding))
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+        totals = jax.device_get(totals)
+        if int(totals["dropped"]):
+            raise RuntimeError(f"evaluation masked {int(totals['dropped'])} tokens more than the MLM head scores "
+                               "(deberta_jax.train.steps.prediction_budget); the eval loss would be wrong")
+        count = float(totals["count"])  # > 0: checked at start-up
+        return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
+    return evaluate
+
+
 def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | None) -> dict:
     is_main = jax.process_index() == 0
 
@@ -178,19 +235,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
     run.data[VOCAB_REQUEST] = config.model.vocab_size if trains_tokenizer else None
     masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                             config.data.mask_prob, config.data.whole_word_masking)
-    train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
-    evals = []
-    if config.data.eval_files:
-        eval_data = packing.load_or_pack(config.data.eval_files, tokenizer, seq_len, config.data.cache_dir)
-        evals = batches.eval_batches(eval_data, masker.special, batch_size=train_cfg.batch_size,
-                                     max_batches=train_cfg.eval_batches,
-                                     process_index=jax.process_index(), process_count=jax.process_count())
-    if evals and not any(batch["weights"].any() for batch in evals):
-        raise config_checks.ConfigError(
-            f"config.data.eval_files={config.data.eval_files!r} yields no masked targets ({len(evals)} batches): "
-            "the eval loss would be undefined. Give more evaluation text, or set config.data.eval_files='' to "
-            "train without evaluation.")
-    logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
+    train_data, evals = prepare_data(config, tokenizer, masker.special)
 
     # ------------------------------------------------------------------ model, optimizer, sharding, steps
     programs = run_programs.build(config, model_config, mesh)
@@ -199,38 +244,12 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
     logging.info("model: %s, %.2fM parameters", model_config, num_params / 1e6)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
-    if is_main:
-        for name in checkpoint.clear_interrupted_saves(workdir):
-            logging.warning("removed %s: a save that was interrupted (the checkpoint before it is intact)", name)
-    sharding.sync_processes("checkpoints cleared")
-    manager = checkpoint.checkpoint_manager(workdir, keep=train_cfg.keep_checkpoints)
-    state = None
-    if manager.all_steps():
-        check_resumable(workdir, run)
-        targets = run_programs.abstract_with_sharding(programs.abstract_state, programs.state_sharding)
-        state = checkpoint.restore_newest_intact(manager, targets, workdir)
-        logging.info("resuming from the checkpoint at step %d", int(state.step))
-    if state is None:
-        checkpoint.refuse_to_start_over(workdir)
-        state = programs.init()
+    manager, state = resume_or_initialize(workdir, run, programs, keep=train_cfg.keep_checkpoints)
     start_step = int(state.step)
     if is_main:
         tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
         checkpoint.write_config(workdir, run)
-
-    # ------------------------------------------------------------------ evals
-    def evaluate(params) -> dict[str, float]:
-        """Masked-LM loss and accuracy over all eval batches: sums added on device, divided once."""
-        totals = None
-        for batch in evals:
-            sums = eval_step(params, sharding.global_batch(batch, programs.batch_sharding))
-            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-        totals = jax.device_get(totals)
-        if int(totals["dropped"]):
-            raise RuntimeError(f"evaluation masked {int(totals['dropped'])} tokens more than the MLM head scores "
-                               "(deberta_jax.train.steps.prediction_budget); the eval loss would be wrong")
-        count = float(totals["count"])  # > 0: checked at start-up
-        return dict(eval_loss=float(totals["loss_sum"]) / count, eval_accuracy=float(totals["correct_sum"]) / count)
+    evaluate = evaluator(evals, eval_step, programs.batch_sharding)
 
     # ------------------------------------------------------------------ loop
     last_step = train_cfg.num_steps if stop_at_step is None else min(train_cfg.num_steps, stop_at_step)
