@@ -9,7 +9,8 @@ Each model is scored at multiples of its own training length L (1x, 2x, 4x, 8x) 
 Models with a learned absolute table get one set of rows per `--policies` entry (positions past L);
 combinations a policy refuses are listed under "Not evaluated" rather than given a value.
 
-Writes to --out: results.json and results.csv (long format), summary.md (also printed), and PNG plots.
+Writes to --out: results.json.gz (every record, long format; `report.load_results` reads it), summary.md (also
+printed), and PNG plots.
 Runs whose configs differ only in seed share a label; their mean and 95% interval are reported.
 
 Several processes (--multiprocess, or JAX_COORDINATOR_ADDRESS set as for train.py) split the windows
@@ -174,7 +175,7 @@ def main(argv):
         return
     _, summary, plots = report.write_report(records, skipped, FLAGS.out, notes=([note] if note else []) + warnings)
     print(summary)
-    print("wrote", ", ".join(["results.json", "results.csv", "summary.md"] + [os.path.basename(p) for p in plots]),
+    print("wrote", ", ".join([report.RESULTS_FILE, "summary.md"] + [os.path.basename(p) for p in plots]),
           "to", FLAGS.out)
 
 

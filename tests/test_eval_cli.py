@@ -1,6 +1,7 @@
 """eval.py end to end: a run trained on synthetic data is scored with the unigram floor and the task's oracle,
 and a bad flag value is a usage error that names the flag."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 import train
 from configs import deberta
+from deberta_jax.study import report
 from tests.helpers import files_after_kills
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +40,7 @@ def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_
                      "--multiples", "1,2", "--extra", "", "--protocols", "chunked", "--bootstrap", "20",
                      "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
-    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    records = report.read_results_file(tmp_path)["records"]
     loss = {(r["model"], r["eval_len"]): r["value"] for r in records
             if r["metric"] == "loss" and r["bucket"] == "all" and r["seed"] != "mean"
             and r["policy"] in ("none", "clip")}
@@ -66,7 +68,7 @@ def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(
     for files in snapshots:
         assert set(files) - set(final) <= {name for name in files if ".tmp-" in name}  # a killed writer's, at most
         assert all(files[name] in (earlier[name], final[name]) for name in files if ".tmp-" not in name)
-    assert {r["eval_len"] for r in json.loads(final["results.json"])["records"]} == {32, 64}
+    assert {r["eval_len"] for r in json.loads(gzip.decompress(final["results.json.gz"]))["records"]} == {32, 64}
 
 
 def test_a_bad_checkpoint_flag_names_the_flag(workdir, tmp_path):
@@ -88,7 +90,7 @@ def test_two_eval_files_with_one_label_are_refused(workdir, tmp_path):
                      "--out", str(tmp_path / "out"))
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"--data_files '{paths[0]}' and '{paths[1]}' would both be reported as 'x/valid'" in result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "results.json").exists()
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "results.json.gz").exists()
 
 
 def test_eval_text_without_targets_is_refused_naming_it(workdir, tmp_path):

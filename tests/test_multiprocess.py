@@ -21,6 +21,7 @@ from flax import nnx
 
 import train
 from configs import deberta
+from deberta_jax.study import report
 from deberta_jax.train import checkpoint, metrics_io
 from tests.helpers import write_brown_slices
 
@@ -150,7 +151,7 @@ def test_length_evaluation_on_two_processes_equals_one(corpus, single_process_ru
             "--extra=", "--tokens_per_batch", "256", "--bootstrap", "100"]
     launch("eval.py", args + ["--out", str(tmp_path / "two")], tmp_path)
     launch("eval.py", args + ["--out", str(tmp_path / "one")], tmp_path, num_processes=1)
-    one, two = (json.loads((tmp_path / name / "results.json").read_text())["records"] for name in ("one", "two"))
+    one, two = (report.read_results_file(tmp_path / name)["records"] for name in ("one", "two"))
     assert len(one) == len(two) > 0
     for a, b in zip(one, two):
         assert {k: v for k, v in a.items() if k not in ("value", "ci_low", "ci_high")} == \

@@ -1,6 +1,6 @@
 """The report layer on DataFrames: results files round trip, Student-t intervals over seeds, Markdown tables."""
 
-import csv
+import gzip
 import json
 import os
 import socket
@@ -44,34 +44,49 @@ def test_load_results_reads_back_what_write_results_wrote(tmp_path):
     skipped = [dict(model="a", seed=0, policy="strict", dataset="d", eval_len=32, reason="strict policy: ...")]
     report.write_results(frame, skipped, str(tmp_path))
 
-    for path in (tmp_path, tmp_path / "results.json"):  # the directory or the file
+    for path in (tmp_path, tmp_path / "results.json.gz"):  # the directory or the file
         pd.testing.assert_frame_equal(report.load_results(path), frame)
     loaded = report.load_results(tmp_path)
     assert loaded["offset"].dtype == "Int64"
     assert loaded["offset"].isna().sum() == (loaded["protocol"] == "chunked").sum()
     assert set(loaded["bucket"]) == {"all", 0, 4} and loaded["ci_low"].isna().any()
     assert (loaded["seed"] == "mean").sum() == loaded["n_seeds"].notna().sum()
-    # The files keep their format: each run's records exactly as given, null for a missing value, and a CSV
-    # with the FIELDS columns.
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert data["records"][: len(records)] == records and data["skipped"] == skipped
+    # The file keeps each run's records exactly as given, null for a missing value; one file, compressed, whose
+    # bytes depend only on the results.
+    data = json.loads(gzip.decompress((tmp_path / "results.json.gz").read_bytes()))
+    assert data["records"][: len(records)] == records and data["skipped"] == skipped and data["notes"] == []
     assert {r["n_seeds"] for r in data["records"][len(records):]} == {1, 3}
-    with open(tmp_path / "results.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert tuple(rows[0]) == report.FIELDS and len(rows) == len(frame)
-    assert rows[0]["offset"] == rows[0]["n_seeds"] == "" and rows[0]["seed"] == "0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json.gz"]
+    first = (tmp_path / "results.json.gz").read_bytes()
+    report.write_results(frame, skipped, str(tmp_path))
+    assert (tmp_path / "results.json.gz").read_bytes() == first
+
+
+def test_a_report_is_rebuilt_from_its_results_file_alone(tmp_path):
+    records = study_records(np.random.default_rng(0))
+    _, summary, plots = report.write_report(records, [], str(tmp_path), notes=["a text the tokenizer cannot read"])
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".png"}
+    (tmp_path / "summary.md").unlink()
+    for plot in plots:
+        os.remove(plot)
+    _, rebuilt, rebuilt_plots = report.rebuild_report(str(tmp_path))
+    assert rebuilt == summary and "a text the tokenizer cannot read" in rebuilt
+    assert sorted(rebuilt_plots) == sorted(plots)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".png"} == written
 
 
 def test_a_failed_write_keeps_the_previous_report_whole(tmp_path, monkeypatch):
-    """A full disk half-way through results.json: the previous report stays as it was, and no temporary is left."""
+    """A full disk half-way through the results file: the previous report stays as it was, and no temporary is
+    left."""
     report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert {"results.json", "results.csv", "summary.md"} <= set(before)
+    assert {"results.json.gz", "summary.md"} <= set(before)
+    real_write = report.gzip.GzipFile.write
 
-    def full_disk(obj, f, **kw):
-        f.write('{"records": [')
+    def full_disk(self, data):
+        real_write(self, data[: len(data) // 2])
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(report.json, "dump", full_disk)
+    monkeypatch.setattr(report.gzip.GzipFile, "write", full_disk)
     with pytest.raises(OSError, match="No space left"):
         report.write_report(study_records(np.random.default_rng(1)), [], str(tmp_path))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
@@ -80,7 +95,7 @@ def test_a_failed_write_keeps_the_previous_report_whole(tmp_path, monkeypatch):
 def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
-    leftover = tmp_path / f"results.json.tmp-{host}-{int(dead.stdout)}-0a1b2c3d"
+    leftover = tmp_path / f"results.json.gz.tmp-{host}-{int(dead.stdout)}-0a1b2c3d"
     leftover.write_text('{"records": [{"model"')  # torn by SIGKILL
     alive = tmp_path / f"summary.md.tmp-{host}-{os.getppid()}-0a1b2c3d"  # a live process's write: left alone
     alive.write_text("...")
@@ -90,9 +105,9 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
 
 
 def test_load_results_names_the_file_and_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/results.json not found: pass a results.json"):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/results.json.gz not found: pass a results.json.gz"):
         report.load_results(tmp_path)
-    (tmp_path / "results.json").write_text(json.dumps({"curves": {}}))
+    (tmp_path / "results.json.gz").write_bytes(gzip.compress(json.dumps({"curves": {}}).encode()))
     with pytest.raises(ValueError, match="is not a results file: it needs a 'records' list"):
         report.load_results(tmp_path)
     broken = record("a", 0, 8, 1.0)

@@ -80,7 +80,7 @@ def get_config(arg: str = ""):
         "32 sequences (learning rate 2e-3, no dropout, 30% masking), the same batches for every variant; chunked "
         "loss and accuracy on Brown valid and WikiText-2 test at 1x-8x the training length "
         + ("(one seed: 95% bootstrap intervals over documents). " if len(seeds) == 1 else
-           f"(mean of {len(seeds)} seeds with a 95% t-interval over seeds: results.json has each seed). ")
+           f"(mean of {len(seeds)} seeds with a 95% t-interval over seeds: results.json.gz has each seed). ")
         + "BERT's learned table is shown with the 'clip' policy here; summary.md has "
         "'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor."
         + (" `<model>+<method>` is the model scored with a length method: `log_length` scales each query's scores "

@@ -4,14 +4,17 @@ Results are in long format, one row per model, seed, policy, protocol, dataset, 
 length, offset, position bucket and metric, so every table or plot is a filter and a pivot. Runs that
 differ only in seed share a `model` label; `aggregate_seeds` gives rows with `seed="mean"` holding the
 mean over seeds and a 95% Student-t interval (or, for a single seed, that run's bootstrap interval over
-documents). `load_results` reads a written `results.json` back for one's own analysis.
+documents). Results are stored once, in `results.json.gz` (gzip'd JSON: every record, the combinations not
+evaluated and the report's warnings); `load_results` reads it back for one's own analysis, and
+`python -m deberta_jax.study.report DIR` rebuilds DIR's summary.md and plots from it.
 
 In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset` (chunked rows) or
-`n_seeds` (rows of single runs) is <NA>; in `results.json` and `results.csv` both are empty (null).
+`n_seeds` (rows of single runs) is <NA>; in the results file both are null.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -19,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+from absl import app
 from scipy import stats
 
 from deberta_jax.data.atomic import replacing
@@ -33,7 +37,9 @@ _DTYPES = {"seed": object, "train_len": "int64", "eval_len": "int64", "multiple"
            "n_seeds": "Int64"}
 CONFIDENCE = 0.95
 REFERENCES = ("unigram", "oracle")
-RESULTS_JSON = "results.json"
+RESULTS_FILE = "results.json.gz"
+# Metrics the report derives from the runs' own records (`add_gap_closed`), rebuilt rather than read back.
+DERIVED_METRICS = ("gap_closed",)
 
 
 def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
@@ -46,7 +52,7 @@ def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
         records = list(records)
         check_finite(records)
         frame = pd.DataFrame.from_records(records)
-    # Missing columns go last, so the key order of every row in results.json stays that of the records.
+    # Missing columns go last, so the key order of every row in the results file stays that of the records.
     frame = frame.reindex(columns=[*frame.columns, *(f for f in FIELDS if f not in frame.columns)])
     for column, dtype in _DTYPES.items():
         try:
@@ -57,8 +63,25 @@ def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def read_results_file(path: str | os.PathLike) -> dict:
+    """The results file written by `eval.py` or the sweep (or the directory holding it): `{"records", "skipped",
+    "notes"}`. Reads the uncompressed `results.json` of older reports too."""
+    file = os.fspath(path)
+    if os.path.isdir(file):
+        file = next((os.path.join(file, name) for name in (RESULTS_FILE, "results.json")
+                     if os.path.isfile(os.path.join(file, name))), os.path.join(file, RESULTS_FILE))
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: pass a {RESULTS_FILE} written by eval.py or the sweep, "
+                                "or the directory holding it (eval.py's --out)")
+    with (gzip.open if file.endswith(".gz") else open)(file, "rt") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError(f"{file} is not a results file: it needs a 'records' list, as eval.py and the sweep write")
+    return dict(records=data["records"], skipped=data.get("skipped", []), notes=data.get("notes", []))
+
+
 def load_results(path: str | os.PathLike) -> pd.DataFrame:
-    """The records of a `results.json` written by `eval.py` or the sweep (the file, or the directory
+    """The records of a results file written by `eval.py` or the sweep (the file, or the directory
     holding it) as a DataFrame: rows of single runs and the `seed == "mean"` rows, one column per field
     of `FIELDS`. For one's own analysis, e.g. loss against length, mean over seeds:
 
@@ -68,17 +91,19 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
         loss = results.query("seed == 'mean' and protocol == 'chunked' and bucket == 'all' and metric == 'loss'")
         print(loss.pivot_table(index=["model", "policy"], columns="multiple", values="value").round(3))
 
-    The combinations that were not evaluated, with the reason, are the file's "skipped" list.
+    The combinations that were not evaluated, with the reason, are the file's "skipped" list (`read_results_file`).
     """
-    file = os.path.join(path, RESULTS_JSON) if os.path.isdir(path) else os.fspath(path)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file} not found: pass a {RESULTS_JSON} written by eval.py or the sweep, "
-                                "or the directory holding it (eval.py's --out)")
-    with open(file) as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise ValueError(f"{file} is not a results file: it needs a 'records' list, as eval.py and the sweep write")
-    return records_frame(data["records"])
+    return records_frame(read_results_file(path)["records"])
+
+
+def rebuild_report(out_dir: str) -> tuple[pd.DataFrame, str, list[str]]:
+    """`write_report` again from `out_dir`'s results file: the runs' own records (not the means or the derived
+    metrics, which are recomputed), the skipped combinations and the warnings; rewrites the results file,
+    summary.md and the plots."""
+    data = read_results_file(out_dir)
+    frame = records_frame(data["records"])
+    runs = frame[(frame["seed"].astype(str) != "mean") & ~frame["metric"].isin(DERIVED_METRICS)]
+    return write_report(runs.reset_index(drop=True), data["skipped"], out_dir, notes=data["notes"])
 
 
 def t_half_width(std: np.ndarray, n: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
@@ -148,16 +173,18 @@ def _json_rows(frame: pd.DataFrame) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "n_seeds" or v is not None} for r in rows]
 
 
-def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str) -> None:
-    """`results.json` (records + skipped combinations with reasons) and `results.csv` (the `FIELDS` columns), each
-    replacing the previous file only once written whole."""
+def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
+                  notes: Sequence[str] = ()) -> None:
+    """`results.json.gz`: the records, the combinations not evaluated (with reasons) and the report's warnings,
+    replacing the previous file only once written whole. Compressed with no name and a fixed timestamp, so the same
+    results give the same bytes."""
     frame = records_frame(records)
     check_finite(frame)
     os.makedirs(out_dir, exist_ok=True)
-    with replacing(os.path.join(out_dir, RESULTS_JSON)) as tmp, open(tmp, "w") as f:
-        json.dump({"records": _json_rows(frame), "skipped": list(skipped)}, f, indent=1)
-    with replacing(os.path.join(out_dir, "results.csv")) as tmp:
-        frame.to_csv(tmp, columns=list(FIELDS), index=False, lineterminator="\r\n")
+    content = {"records": _json_rows(frame), "skipped": list(skipped), "notes": list(notes)}
+    with replacing(os.path.join(out_dir, RESULTS_FILE)) as tmp, open(tmp, "wb") as raw:
+        with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(json.dumps(content, separators=(",", ":")).encode())
 
 
 def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
@@ -168,7 +195,7 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
     """
     frame = add_gap_closed(records)
     means = aggregate_seeds(frame)
-    write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir)
+    write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
     summary = markdown_summary(means, skipped, notes)
     with replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
         f.write(summary)
@@ -370,3 +397,18 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text).strip("_")
+
+
+def main(argv: list[str]) -> None:
+    """`python -m deberta_jax.study.report DIR [DIR ...]`: rebuild each report from its results file."""
+    if len(argv) < 2:
+        raise app.UsageError("give one or more folders holding a results file, e.g. results/natural")
+    for out_dir in argv[1:]:
+        _, _, plots = rebuild_report(out_dir)
+        print(f"{out_dir}: rebuilt summary.md and {len(plots)} plots from {RESULTS_FILE}")
+
+
+if __name__ == "__main__":
+    from deberta_jax.data import errors
+
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.report"))

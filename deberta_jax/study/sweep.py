@@ -192,7 +192,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         report.ablation_table(means, sweep.table_policy), "",
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots], "",
         "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
-        "raw records: [results.json](results.json), [results.csv](results.csv).", "",
+        "raw records: [results.json.gz](results.json.gz) (`deberta_jax.study.report.load_results`).", "",
         "## Sweep configuration", "", "```json", json.dumps(sweep.to_dict(), indent=1, default=str), "```", "",
         "## Commands", "", *[f"    {shlex.join(r['command'][1:])}" for r in runs], "",
     ]
