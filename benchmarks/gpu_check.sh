@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(pwd)"
 export JAX_DEFAULT_MATMUL_PRECISION=highest
 status=0
 $PY -c "import jax; print(jax.__version__, jax.devices())" || exit 1
-$PY -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "pallas or kernel_equals_dense or other_kernels" || status=1
+$PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py -k "pallas or kernel_equals_dense or other_kernels" || status=1
 unset JAX_DEFAULT_MATMUL_PRECISION
 $PY benchmarks/train_step.py --mode eval --model bert,deberta --seq 2048,8192 --batch 1 --trained-length 512 \
     --kernel dense,blockwise,pallas --warmup 2 --steps 5 || status=1

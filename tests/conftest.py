@@ -14,7 +14,7 @@ entry another worker is still writing reads as a miss (JAX warns and compiles), 
 
 import os
 
-# libtpu is installed for the TPU compiles of tests/test_aot.py: without this, JAX would look for a TPU first.
+# libtpu is installed for the TPU compiles of tests/aot/test_aot.py: without this, JAX would look for a TPU first.
 # Parallel workers each load libtpu for those compiles, which it allows only when told to.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -41,3 +41,9 @@ def jax_compilation_cache(tmp_path_factory):
 def pytest_collection_modifyitems(items):
     """Tests marked `long` first (a stable sort): a worker that picks one up last would run on alone."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A packed-token cache shared by one module's short runs (`tests.helpers.micro_config`)."""
+    return tmp_path_factory.mktemp("cache")

@@ -2,15 +2,37 @@
 
 import os
 import subprocess
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import deberta
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import save_tokenizer, train_tokenizer
 
-BROWN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "brown")
+REPO = Path(__file__).resolve().parents[1]
+BROWN = REPO.parent / "shared" / "data" / "brown"
+# The short runs of the reliability and user-error tests: `micro` DeBERTa on small synthetic data, no files.
+MICRO_STEPS = 8
+MICRO_TRAIN = "synthetic:markov:train:docs=40,doc_len=256"
+MICRO_VALID = "synthetic:markov:validation:docs=4,doc_len=256"
+
+
+def overrides(cache_dir, **train_fields) -> dict:
+    """The micro preset's changes for these runs, as flattened config keys."""
+    values = {"data.train_files": MICRO_TRAIN, "data.eval_files": MICRO_VALID, "data.cache_dir": str(cache_dir),
+              "train.num_steps": MICRO_STEPS, "train.warmup_steps": 2, "train.log_every": 1, "train.eval_every": 4,
+              "train.checkpoint_every": 2, "train.keep_checkpoints": 3}
+    values.update({f"train.{k}": v for k, v in train_fields.items()})
+    return values
+
+
+def micro_config(cache_dir, **train_fields):
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict(overrides(cache_dir, **train_fields))
+    return config
 
 
 def write_brown_slices(root, train_chars: int, valid_chars: int, vocab_size: int):

@@ -56,7 +56,7 @@ def splits_at_spaces(tokenizer: Tokenizer) -> bool:
 
     Holds for WordPiece behind per-character normalizers and whitespace-splitting pre-tokenizers (BERT's and
     this project's tokenizers), without truncation or padding, and with added tokens that contain no
-    whitespace and do not strip it; `tests/test_data_store.py` checks the identity on adversarial text.
+    whitespace and do not strip it; `tests/data/test_data_store.py` checks the identity on adversarial text.
     """
     config = json.loads(tokenizer.to_str())
     added_ok = all(not token["lstrip"] and not token["rstrip"] and not any(c.isspace() for c in token["content"])

@@ -4,7 +4,7 @@ A protocol is a `Protocol` in `PROTOCOLS`, the one list that `length_study.run_s
 summary tables) and the command lines (`eval.py --protocols`, a sweep's `eval.protocols`) read. Adding one is
 this registry entry (and its window function, in `deberta_jax.data.targets` when it is a new way to cut the
 stream) and a test: the study scores it, and the summary shows it under its `layout`, so no result of a
-registered protocol can be left out of a report (`tests/test_protocols.py`).
+registered protocol can be left out of a report (`tests/study/test_protocols.py`).
 """
 
 from __future__ import annotations

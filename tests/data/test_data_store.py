@@ -17,8 +17,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from deberta_jax.data import batches, packing, parallel_encode, store, text
 from deberta_jax.data.packing import StreamRows, cut_rows, get_batch, load_or_pack, pack_stream
 from deberta_jax.data.tokenizer import SpecialIds, configure, train_tokenizer
+from tests.helpers import REPO
 
-BROWN_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "brown" / "train.txt"
+BROWN_TRAIN = REPO.parent / "shared" / "data" / "brown" / "train.txt"
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
 
 
@@ -336,7 +337,7 @@ def test_hub_datasets_are_streamed(monkeypatch, offline):
 def test_data_pipeline_benchmark_reports_every_phase(tmp_path):
     source = tmp_path / "source.txt"
     source.write_text("\n\n".join(text.load_documents(str(BROWN_TRAIN))[:20]) + "\n")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "data_pipeline.py"
+    script = REPO / "benchmarks" / "data_pipeline.py"
     result = subprocess.run([sys.executable, str(script), "--source", str(source), "--size-mb", "3", "--small-mb", "1",
                              "--vocab", "400", "--batches", "5", "--steps", "0", "--workdir", str(tmp_path / "work")],
                             capture_output=True, text=True, timeout=300, check=False)

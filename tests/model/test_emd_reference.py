@@ -1,7 +1,7 @@
 """DeBERTa's enhanced mask decoder (EMD) against an independent numpy re-implementation of the official code.
 
 EMD exists only in microsoft/DeBERTa (`DeBERTa/apps/models/masked_language_model.py`,
-`EnhancedMaskDecoder`), not in transformers, so `tests/test_hf_reference.py` cannot check it. The
+`EnhancedMaskDecoder`), not in transformers, so `tests/model/test_hf_reference.py` cannot check it. The
 reference below re-implements the official forward pass in plain float64 numpy from that code's
 semantics, reading nothing from deberta_jax but the parameters of the model it compares with:
 

@@ -1,15 +1,13 @@
 """The seed-rate summary: escape steps against the same-seed baseline, the binomial interval, and the refusals."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from deberta_jax.study import seed_rate
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def write_curves(path, seed, run, baseline, labels=("bert", "nope")):

@@ -1,7 +1,6 @@
 """Tokenizer training, packing, the on-disk cache and resumable batching."""
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +11,9 @@ from deberta_jax.data.masking import mask_tokens, masking_rngs
 from deberta_jax.data.packing import PackedData, batch_indices, get_batch, load_or_pack, pack_documents, process_share
 from deberta_jax.data.text import DocumentStream, load_documents
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds, load_tokenizer, save_tokenizer, train_tokenizer
+from tests.helpers import REPO
 
-BROWN_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "brown" / "train.txt"
+BROWN_TRAIN = REPO.parent / "shared" / "data" / "brown" / "train.txt"
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
 
 

@@ -14,8 +14,7 @@ from deberta_jax.aot import analysis, build
 from deberta_jax.aot.chips import CHIPS, GIB, TopologyError, parse_topology, tpu_slice
 from deberta_jax.train import config_checks, sharding
 from deberta_jax.train import programs as run_programs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 
 def micro(family=deberta, **train):
@@ -133,7 +132,7 @@ def test_command_prints_and_writes_the_figures(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/deberta.py:micro", "--topology", "v5e:2x2",
          "--config.model.remat=full", "--length_kernels=blockwise", f"--out={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "deberta.py:micro model.remat=full on v5e:2x2 (4 chips" in result.stdout
     rows = json.loads(out.read_text())
@@ -145,7 +144,7 @@ def test_command_prints_and_writes_the_figures(tmp_path):
 def test_command_refuses_a_bad_topology_without_a_traceback():
     result = subprocess.run(
         [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/bert.py:micro", "--topology", "v5e:4x4x4"],
-        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "error: topology 'v5e:4x4x4': v5e slices are named by a 2-D chip grid" in result.stderr
     assert "Traceback" not in result.stderr

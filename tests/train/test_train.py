@@ -27,11 +27,10 @@ from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SpecialIds
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.train import checkpoint, metrics_io, optim, steps
-from tests.helpers import write_brown_slices
+from tests.helpers import REPO, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every test trains or reloads micro runs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # the "2N" of the resume test
 
 

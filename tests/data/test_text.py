@@ -10,8 +10,8 @@ import pytest
 
 from deberta_jax.data import text
 from deberta_jax.data.text import load_documents, parse_hf_spec, resolve_files, split_documents
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 FIX = re.escape(text.LOCAL_FILES_EXAMPLE)
 

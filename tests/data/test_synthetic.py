@@ -16,8 +16,8 @@ from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.study import baselines, length_study
 from deberta_jax.study.baselines import OracleModel, UnigramModel
 from deberta_jax.study.scoring import score_windows
+from tests.helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = "vocab=5,branch=2,doc_len=300,docs=40"
 
 
@@ -251,9 +251,9 @@ def test_oracle_is_below_the_unigram_floor_and_rejects_foreign_windows():
 
 
 def test_generation_benchmark_reports_rates():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "synthetic_data.py"), "--split",
+    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "synthetic_data.py"), "--split",
                              "validation", "--params", "doc_len=256,docs=8"], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT, check=False)
+                            timeout=300, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[1:]] == list(synthetic.TASKS)

@@ -23,11 +23,10 @@ import train
 from configs import deberta
 from deberta_jax.study import report
 from deberta_jax.train import checkpoint, metrics_io
-from tests.helpers import write_brown_slices
+from tests.helpers import REPO, write_brown_slices
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
 # Float reduction order differs between 1 and 2 processes (and with FSDP); everything else must not.
 ATOL = 1e-5

@@ -4,7 +4,7 @@ express is refused by field name, and each warning's length is where the two rea
 
 Models are micro-sized with weights large enough that attention is far from uniform (`initializer_range`), and
 every bias and LayerNorm parameter is moved off its initial value, so a weight exported under the wrong name
-changes the logits. The tolerance is that of tests/test_hf_reference.py (1e-5; observed at most about 2e-6 at
+changes the logits. The tolerance is that of tests/model/test_hf_reference.py (1e-5; observed at most about 2e-6 at
 logits of std ~1).
 """
 

@@ -24,7 +24,7 @@ from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds, train_tokeniz
 from deberta_jax.model import hf
 from deberta_jax.study import length_study
 from tests.helpers import BROWN
-from tests.test_hf_reference import SMALL, TOL, V3, perturb_biases_and_norms
+from tests.model.test_hf_reference import SMALL, TOL, V3, perturb_biases_and_norms
 
 # DeBERTa-v3's spm.model: [PAD] 0, [CLS] 1, [SEP] 2, [UNK] 3; [MASK] is added after the pieces.
 SPM_IDS = dict(pad_id=0, pad_piece="[PAD]", bos_id=1, bos_piece="[CLS]", eos_id=2, eos_piece="[SEP]", unk_id=3,

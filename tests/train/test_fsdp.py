@@ -13,8 +13,7 @@ import pytest
 
 from configs import deberta
 from deberta_jax.train import config_checks
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO
 
 SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
@@ -78,7 +77,7 @@ print("fsdp losses", fsdp_losses)
 @pytest.mark.slow
 def test_fsdp_on_eight_devices_matches_one_device():
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,6 @@
 """Experiment configs: every preset validates, the families differ only where they should, and each
 bad value fails at start-up with an error naming its field."""
 
-import os
 import subprocess
 import sys
 
@@ -10,8 +9,8 @@ import pytest
 from configs import bert, common, deberta
 from deberta_jax.model.config import ConfigError
 from deberta_jax.train.config_checks import resolved, validate
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = {"bert": bert, "deberta": deberta}
 
 

@@ -1,0 +1,198 @@
+"""Clear errors for bad input at every entry point (train.py, eval.py, the sweep, the data and model loaders): one
+line naming the field, the file and the fix, no traceback, and nothing written before the refusal."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import train
+from deberta_jax.data import errors, packing, text
+from deberta_jax.data import tokenizer as tokenizer_lib
+from deberta_jax.study import length_study, report, scoring
+from deberta_jax.train import checkpoint, config_checks, metrics_io, workdir_lock
+from tests.helpers import REPO, micro_config
+
+
+def test_an_unknown_config_field_names_the_flag_and_lists_the_fields(tmp_path):
+    def train_py(override):
+        return subprocess.run([sys.executable, "train.py", "--config", "configs/bert.py:micro", "--workdir",
+                               str(tmp_path), override], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = train_py("--config.model.foo=1")
+    assert result.returncode != 0
+    assert "--config.model.foo: config.model has no field 'foo'; its fields are [" in result.stderr
+    assert "'hidden_size'" in result.stderr and "Traceback" not in result.stderr
+    result = train_py("--config.trian.num_steps=1")
+    assert "--config.trian.num_steps: config has no field 'trian'; its fields are ['data', 'mesh'" in result.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_compiling_stops_cleanly(tmp_path):
+    """SIGINT in a run's first seconds (tokenizer, XLA compiling): exit 130 with one line, never a crash of the
+    interpreter's teardown; the same command then trains."""
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path / "run"),
+               "--config.data.train_files=synthetic:markov:train", "--config.data.eval_files=",
+               "--config.train.num_steps=2"]
+    for delay in (3.0, 4.0, 5.0):
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        assert "Fatal Python error" not in stderr and "Segmentation fault" not in stderr, stderr[-2000:]
+        assert process.returncode in (0, 130), stderr[-2000:]  # 0: it finished before the signal
+        assert process.returncode == 0 or stderr.rstrip().endswith("train.py: interrupted")
+    assert subprocess.run(command, cwd=REPO, capture_output=True, timeout=300).returncode == 0
+
+
+def test_a_list_field_on_the_command_line_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep", "configs/sweeps/natural.py",
+                             "--sweep.seeds=[2,3]", "--mode", "print"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("--sweep.seeds: a list field cannot be set from the command line (only numbers, "
+                                     "strings, booleans and tuples can); change it in the config file, or in a copy "
+                                     "of it")
+
+
+def test_user_errors_are_one_line_and_their_traceback_is_one_variable_away(tmp_path):
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path),
+               "--config.model.num_heads=3"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-2] == (
+        "train.py: config.model.num_heads=3 is invalid: must divide hidden_size=32; pick a divisor such as "
+        "[1, 2, 4, 8, 16]")
+    env = {**os.environ, errors.TRACEBACK_VARIABLE: "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_a_literal_path_wins_over_a_glob_and_binary_text_is_named(tmp_path):
+    (tmp_path / "train[1].txt").write_text("the literal file\n")
+    (tmp_path / "train1.txt").write_text("what the glob would match\n")
+    assert text.resolve_files(str(tmp_path / "train[1].txt")) == [tmp_path / "train[1].txt"]
+    assert text.resolve_files(str(tmp_path / "train[0-9].txt")) == [tmp_path / "train1.txt"]
+    (tmp_path / "zeros.txt").write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match=r"zeros.txt contains NUL bytes"):
+        text.load_documents(str(tmp_path / "zeros.txt"))
+
+
+def test_text_that_tokenizes_to_nothing_names_the_data_spec(tmp_path):
+    tokenizer = tokenizer_lib.train_tokenizer(["some words to learn a vocabulary from"] * 20, 100)
+    (tmp_path / "controls.txt").write_text("\x01\x02\x03\n")
+    with pytest.raises(packing.NoTokensError, match=r"controls.txt.*contain no tokens"):
+        packing.load_or_pack(str(tmp_path / "controls.txt"), tokenizer, 16, tmp_path / "cache")
+
+
+def test_a_truncated_tokenizer_file_is_named(tmp_path):
+    tokenizer = tokenizer_lib.train_tokenizer(["some words to learn a vocabulary from"] * 20, 100)
+    tokenizer_lib.save_tokenizer(tokenizer, tmp_path / "tokenizer.json")
+    (tmp_path / "cut.json").write_text((tmp_path / "tokenizer.json").read_text()[:200])
+    with pytest.raises(ValueError, match=r"tokenizer file .*cut.json cannot be read"):
+        tokenizer_lib.load_tokenizer(tmp_path / "cut.json")
+
+
+def test_a_workdir_without_config_but_with_checkpoints_is_described_truly(tmp_path):
+    (tmp_path / checkpoint.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="is missing, but .* holds checkpoints"):
+        checkpoint.read_config(tmp_path)
+
+
+def test_one_document_gives_no_interval_rather_than_a_zero_width_one():
+    resamples = scoring.document_resamples(1, 50)
+    assert scoring.bootstrap_ratio_ci(np.array([6.0]), np.array([1.0]), resamples) == (None, None)
+    resamples = scoring.document_resamples(3, 200)
+    lo, hi = scoring.bootstrap_ratio_ci(np.array([6.0, 3.0, 9.0]), np.array([1.0, 1.0, 1.0]), resamples)
+    assert lo < 6.0 < hi
+
+
+def test_models_with_different_tokenizers_get_a_warning_in_the_summary(tmp_path):
+    note = length_study.unpaired_note([("a", "tok1"), ("b", "tok1"), ("c", "tok2")])
+    assert "2 different tokenizers" in note and "group 1: a, b; group 2: c" in note
+    assert length_study.unpaired_note([("a", "tok1"), ("b", "tok1")]) is None
+    record = dict(model="a", seed=0, source="a", policy="none", protocol="chunked", dataset="d", train_len=8,
+                  eval_len=8, multiple=1.0, offset=None, bucket="all", metric="loss", value=1.0, ci_low=None,
+                  ci_high=None, n_tokens=10)
+    _, summary, _ = report.write_report([record], [], str(tmp_path), notes=[note])
+    assert "**Warning.**" in summary and "group 2: c" in (tmp_path / "summary.md").read_text()
+
+
+def test_dense_attention_that_cannot_fit_is_refused_before_scoring_with_the_fix():
+    from deberta_jax.model.config import ModelConfig
+    from deberta_jax.model.encoder import MaskedLM
+
+    model = MaskedLM(ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=4, intermediate_size=32),
+                     rngs=nnx.Rngs(0))
+    em = length_study.EvalModel("m", 0, "m", model, None, 64)
+    settings = length_study.StudySettings(lengths=(65536,))
+    with pytest.raises(MemoryError, match=r"needs about 128 GiB .*--attention_kernel blockwise"):
+        length_study.check_dense_memory([em], settings, available=24 * 2**30)
+    length_study.check_dense_memory([em], length_study.StudySettings(lengths=(4096,)), available=24 * 2**30)
+
+
+def test_metrics_survive_a_torn_last_line_and_a_hung_tensorboard_close(tmp_path, monkeypatch):
+    writer = metrics_io.MetricsWriter(tmp_path, resume_step=0)
+    writer.write(1, {"loss": 2.0})
+    monkeypatch.setattr(writer.tensorboard, "close", lambda: time.sleep(60))
+    start = time.perf_counter()
+    writer.close(timeout_s=0.5)
+    assert time.perf_counter() - start < 5
+    with (tmp_path / metrics_io.METRICS_FILE).open("a") as f:
+        f.write('{"step": 2, "lo')  # killed mid-line
+    assert metrics_io.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_eval_py_checks_its_output_and_lengths_before_working(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    common = [sys.executable, "eval.py", "--workdir", str(tmp_path), "--data_files", "synthetic:markov:test"]
+    result = subprocess.run(common + ["--out", str(tmp_path / "a_file" / "out")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "is not writable" in result.stderr
+    result = subprocess.run(common + ["--out", str(tmp_path / "out"), "--lengths", "100000"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--lengths=100000 is out of range" in result.stderr
+
+
+class _Payload:
+    """Unpickling this runs `open(path, "w")`: a stand-in for malicious code in a pickled checkpoint."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_hf_load_never_unpickles(tmp_path):
+    import pickle
+
+    from deberta_jax.model import hf
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deberta-v2"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(str(tmp_path / "pwned"))))
+    with pytest.raises(FileNotFoundError, match="only safetensors checkpoints are read"):
+        hf.load(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_an_unwritable_workdir_is_named(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"cannot create the workdir lock .*a_file/run/.lock .*writable directory"):
+        with workdir_lock.hold(tmp_path / "a_file" / "run"):
+            pass
+
+
+def test_evaluation_text_without_targets_is_refused_at_start_up(cache, tmp_path):
+    """One token gets no masked target: the eval loss would be 0/0 (it used to be logged as 0.0, then "best")."""
+    (tmp_path / "one_word.txt").write_text("a\n")
+    config = micro_config(cache)
+    config.data.eval_files = str(tmp_path / "one_word.txt")
+    with pytest.raises(config_checks.ConfigError, match=r"one_word.txt.* yields no masked targets .*eval_files=''"):
+        train.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run" / checkpoint.CHECKPOINT_DIR).exists()
