@@ -254,6 +254,14 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
+        self._validate_shape()
+        self._validate_attention()
+        self._validate_positions()
+        self._validate_length_options()
+        self._validate_computation()
+
+    def _validate_shape(self) -> None:
+        """Sizes, activation, normalization, dropout rates, token types and precision."""
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             if int(getattr(self, name)) < 1:
                 _fail(name, getattr(self, name), "must be a positive integer")
@@ -269,6 +277,13 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 _fail(name, getattr(self, name), "must be in [0, 1)")
+        if self.type_vocab_size < 0:
+            _fail("type_vocab_size", self.type_vocab_size, "must be >= 0 (0 disables token types)")
+        if self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"choose one of {DTYPES}")
+
+    def _validate_attention(self) -> None:
+        """The attention variant, its kernel and each variant's own knobs."""
         if self.attention not in ATTENTION_VARIANTS:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -308,6 +323,9 @@ class ModelConfig:
                 _fail("max_relative_positions", self.max_relative_positions,
                       f"must exceed position_buckets // 2 + 1 = {self.position_buckets // 2 + 1} "
                       "for log-bucketing to be defined")
+
+    def _validate_positions(self) -> None:
+        """Absolute positions: the table, its policy past the training length, randomized positions, EMD."""
         if self.max_position_embeddings < 1:
             _fail("max_position_embeddings", self.max_position_embeddings, "must be >= 1")
         if self.trained_length is not None and not 1 <= self.trained_length <= self.max_position_embeddings:
@@ -349,12 +367,9 @@ class ModelConfig:
                       "position_biased_input=False (as in microsoft/DeBERTa)")
             if self.emd_layers < 1:
                 _fail("emd_layers", self.emd_layers, "must be >= 1")
-        if self.type_vocab_size < 0:
-            _fail("type_vocab_size", self.type_vocab_size, "must be >= 0 (0 disables token types)")
-        if self.dtype not in DTYPES:
-            _fail("dtype", self.dtype, f"choose one of {DTYPES}")
-        if self.relative_terms not in RELATIVE_TERMS:
-            _fail("relative_terms", self.relative_terms, f"choose one of {RELATIVE_TERMS}")
+
+    def _validate_length_options(self) -> None:
+        """Temperature, window and distance interpolation past the training length, and what the kernel supports."""
         if self.attention_temperature not in ATTENTION_TEMPERATURES:
             _fail("attention_temperature", self.attention_temperature, f"choose one of {ATTENTION_TEMPERATURES}")
         if self.attention_temperature == "log_length" and self.effective_trained_length < 2:
@@ -374,6 +389,11 @@ class ModelConfig:
             _fail("attention_kernel", self.attention_kernel,
                   "the fused Pallas kernel implements neither attention_window nor attention_temperature; "
                   "use attention_kernel='dense' or 'blockwise' with them")
+
+    def _validate_computation(self) -> None:
+        """How the parameters are computed with: DeBERTa's relative terms, rematerialization."""
+        if self.relative_terms not in RELATIVE_TERMS:
+            _fail("relative_terms", self.relative_terms, f"choose one of {RELATIVE_TERMS}")
         if self.remat not in REMAT_POLICIES:
             _fail("remat", self.remat,
                   f"choose one of {REMAT_POLICIES} ('full' keeps least, 'none' recomputes nothing)")
