@@ -35,6 +35,23 @@ def micro_config(cache_dir, **train_fields):
     return config
 
 
+def sweep_variant_configs(seq_len: int, **changes) -> dict[str, dict]:
+    """`ModelConfig` fields of every run family the sweeps train (`configs/sweeps/variants.py`: the core set and the
+    absolute baselines) at the micro size, as trained at `seq_len`, with `changes`: the one variant list, which
+    tests read rather than repeat."""
+    from configs import bert
+    from configs.sweeps import variants
+
+    families = {variants.BERT: bert, variants.DEBERTA: deberta}
+    out = {}
+    for variant in variants.core() + variants.absolute_baselines():
+        config = families[variant.config].get_config("micro")
+        config.data.seq_len = seq_len
+        config.model.update(variant.overrides.model.to_dict())
+        out[variant.name] = dict(config.model.to_dict(), trained_length=seq_len, **changes)
+    return out
+
+
 def write_brown_slices(root, train_chars: int, valid_chars: int, vocab_size: int):
     """The first whole documents of Brown train/valid as `root/{train,valid}.txt` plus a small tokenizer."""
     for name, size in (("train.txt", train_chars), ("valid.txt", valid_chars)):

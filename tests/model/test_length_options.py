@@ -22,19 +22,11 @@ from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.study import length_study
+from tests.helpers import sweep_variant_configs
 
 TRAIN_LEN = 16
-BASE = dict(vocab_size=60, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, hidden_dropout=0.0,
-            attention_dropout=0.0, max_position_embeddings=32, trained_length=TRAIN_LEN)
-SCHEMES = {
-    "deberta": dict(BASE, attention="disentangled", position_buckets=8, max_relative_positions=16),
-    "deberta_emd": dict(BASE, attention="disentangled", position_buckets=8, max_relative_positions=16, use_emd=True,
-                        absolute_position_policy="clip"),
-    "bert": dict(BASE, attention="entangled", position_biased_input=True, absolute_position_policy="clip"),
-    "rope": dict(BASE, attention="rope"),
-    "alibi": dict(BASE, attention="alibi"),
-    "t5_bias": dict(BASE, attention="t5_bias", t5_num_buckets=8, t5_max_distance=20),
-}
+# Every family the sweeps train, at the micro size (learned tables clipped past the training length).
+SCHEMES = sweep_variant_configs(TRAIN_LEN, hidden_dropout=0.0, attention_dropout=0.0, absolute_position_policy="clip")
 
 
 def build(name):
@@ -86,7 +78,7 @@ def test_interpolated_distances_reach_only_the_rows_of_the_training_length():
 
 
 def test_distance_scale_is_one_up_to_the_training_length():
-    cfg = ModelConfig(**SCHEMES["deberta"], relative_position_policy="interpolate")
+    cfg = ModelConfig(**dict(SCHEMES["deberta"], relative_position_policy="interpolate"))
     assert cfg.distance_scale(TRAIN_LEN) == 1.0 and cfg.distance_scale(8) == 1.0
     assert cfg.distance_scale(4 * TRAIN_LEN) == 0.25
     assert ModelConfig(**SCHEMES["deberta"]).distance_scale(4 * TRAIN_LEN) == 1.0
@@ -158,7 +150,7 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("scheme, option", [(scheme, option) for option in OPTIONS for scheme in SCHEMES
-                                            if option != "interpolate" or scheme != "bert"])
+                                            if option != "interpolate" or SCHEMES[scheme]["attention"] != "entangled"])
 def test_every_option_leaves_the_training_length_unchanged_and_acts_past_it(scheme, option):
     model = build(scheme)
     changed = with_options(model, **OPTIONS[option])
@@ -175,7 +167,7 @@ def test_log_length_scales_scores_by_the_log_ratio_in_an_entangled_model():
     attention = model.encoder.layers[0].attention
     x = jax.random.normal(jax.random.key(0), (1, 4 * TRAIN_LEN, 32))
     key_mask = np.ones((1, 4 * TRAIN_LEN), np.int32)
-    cfg = ModelConfig(**SCHEMES["bert"], attention_temperature="log_length")
+    cfg = ModelConfig(**dict(SCHEMES["bert"], attention_temperature="log_length"))
     ctx = MaskedLM(cfg, rngs=nnx.Rngs(0)).encoder.position_context(1, 4 * TRAIN_LEN, key_mask=key_mask)
     np.testing.assert_allclose(np.asarray(ctx.temperature), math.log(4 * TRAIN_LEN) / math.log(TRAIN_LEN), rtol=1e-6)
     scaled = with_options(model, attention_temperature="log_length").encoder.layers[0].attention
