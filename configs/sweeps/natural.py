@@ -23,9 +23,9 @@ curves and gives the share of seeds, and the step, at which BERT leaves NoPE's p
 
 `:flat` asks what keeps DeBERTa flat past the training length: the relative-only model as above and with the
 published v3 bucket setting (256 buckets, distances to 512: every distance of an 8x evaluation has its own row,
-but only rows within the training length are ever trained), two seeds, each scored as trained and under every
-length method (`deberta_jax.study.length_study.LENGTH_METHODS`: log-length temperature, sliding window,
-interpolated distances).
+but only rows within the training length are ever trained), and RoPE and T5 bias, two seeds, each scored as
+trained and under every length method (`deberta_jax.study.length_study.LENGTH_METHODS`: log-length temperature,
+sliding window, interpolated distances).
 
 `:core` is the ablation sweep's variant set (`variants.core()`: DeBERTa with each Table 4 removal, RoPE, ALiBi,
 T5 bias, NoPE) under this recipe, the ablation rerun with the recipe that moves BERT, at seed 0 only. It shares
@@ -40,6 +40,8 @@ from configs.sweeps import variants
 DEFAULT_DATA_DIR = "data"
 NAMES = ("bert", "nope", "deberta-emd")
 SEED_NAMES = ("bert", "nope")
+# The relative-only DeBERTa, and the relative schemes whose length behaviour the methods should also be tried on.
+FLAT_NAMES = ("deberta-emd", "rope", "t5-bias")
 # The published DeBERTa-v3 relative table, whatever the training length.
 V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
 ARGS = ("", "core", "seeds", "flat", "smoke")
@@ -64,8 +66,8 @@ def _variants(arg: str) -> list:
     if arg == "seeds":
         return [v for v in variants.core() if v.name in SEED_NAMES]
     if arg == "flat":
-        relative_only = next(v for v in variants.core() if v.name == "deberta-emd")
-        return [relative_only, variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
+        chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
+        return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
     return [v for v in variants.core() if v.name in NAMES]
 
 
