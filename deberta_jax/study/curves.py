@@ -93,7 +93,9 @@ def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = 
     markdown = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "curves.md"), "w") as f:
         f.write(markdown)
-    _plot(curves, floor, margin, os.path.join(out_dir, "eval_loss_vs_step.png"))
+    plot_by_step(curves, [(floor, "--", "unigram floor"), (floor - margin, ":", f"floor - {margin:g} (plateau exit)")],
+                 "eval masked-token loss (nats)", "Where each position scheme leaves the unigram plateau",
+                 os.path.join(out_dir, "eval_loss_vs_step.png"))
     return markdown
 
 
@@ -109,21 +111,24 @@ def curve_tables(curves: dict[str, dict[int, float]], floor: float, exits: dict[
     return report.markdown_table(runs) + "\n\n" + report.markdown_table(by_step)
 
 
-def _plot(curves: dict[str, dict[int, float]], floor: float, margin: float, path: str) -> None:
+def plot_by_step(lines: dict[str, dict[int, float]], levels: list[tuple[float, str, str | None]], ylabel: str,
+                 title: str, path: str) -> None:
+    """One line per `{label: {step: value}}` against training step, and a horizontal line per `(y, style, label)`
+    of `levels`; written to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, curve in curves.items():
+    for label, curve in lines.items():
         steps = sorted(curve)
         ax.plot(steps, [curve[s] for s in steps], label=label)
-    ax.axhline(floor, color="black", linestyle="--", linewidth=1, label="unigram floor")
-    ax.axhline(floor - margin, color="grey", linestyle=":", linewidth=1, label=f"floor - {margin:g} (plateau exit)")
+    for y, style, label in levels:
+        ax.axhline(y, color="black" if style == "--" else "grey", linestyle=style, linewidth=1, label=label)
     ax.set_xlabel("training step")
-    ax.set_ylabel("eval masked-token loss (nats)")
-    ax.set_title("Where each position scheme leaves the unigram plateau")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -27,7 +27,7 @@ from scipy import stats
 
 from deberta_jax.data import atomic, errors
 from deberta_jax.study import report
-from deberta_jax.study.curves import DEFAULT_MARGIN
+from deberta_jax.study.curves import DEFAULT_MARGIN, plot_by_step
 from deberta_jax.study.report import CONFIDENCE
 
 SEED_SUFFIX = re.compile(r"[-_](?:s|seed)(\d+)$")
@@ -106,29 +106,12 @@ def write_rate_report(paths: list[str], run: str, baseline: str, out_dir: str, m
     atomic.write_text(os.path.join(out_dir, "rate.json"), json.dumps(dict(
         run=run, baseline=baseline, margin=margin, sources=paths, **summary,
         seeds_table=json.loads(table.to_json(orient="records"))), indent=1) + "\n")
-    _plot(seeds, run, baseline, margin, os.path.join(out_dir, "gap_vs_step.png"))
+    gaps = {f"seed {e['seed']}": {s: e["run"][s] - e["baseline"][s] for s in set(e["run"]) & set(e["baseline"])}
+            for e in sorted(seeds, key=lambda e: e["seed"])}
+    plot_by_step(gaps, [(0.0, "--", None), (-margin, ":", f"-{margin:g} (leaves the plateau)")],
+                 f"eval loss, {run} minus {baseline} (nats)", f"Does {run} use its positions? One line per seed",
+                 os.path.join(out_dir, "gap_vs_step.png"))
     return markdown
-
-
-def _plot(seeds: list[dict], run: str, baseline: str, margin: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for entry in sorted(seeds, key=lambda e: e["seed"]):
-        steps = sorted(set(entry["run"]) & set(entry["baseline"]))
-        ax.plot(steps, [entry["run"][s] - entry["baseline"][s] for s in steps], label=f"seed {entry['seed']}")
-    ax.axhline(0, color="black", linewidth=1)
-    ax.axhline(-margin, color="grey", linestyle=":", linewidth=1, label=f"-{margin:g} (leaves the plateau)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel(f"eval loss, {run} minus {baseline} (nats)")
-    ax.set_title(f"Does {run} use its positions? One line per seed")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 FLAGS = flags.FLAGS
