@@ -58,9 +58,19 @@ class EvalModel:
     dataset: str | None = None  # score only this dataset (an oracle knows one task); None: every dataset
 
 
+# The seed suffix of a workdir name (`<variant>-L<len>-s<seed>`, as the sweep runner names them).
+SEED_SUFFIX = re.compile(r"[-_](?:s|seed)(\d+)$")
+
+
 def run_label(workdir: str) -> str:
     """Runs that differ only in seed share a label: the workdir name without a `-s<seed>` suffix."""
-    return re.sub(r"[-_](s|seed)\d+$", "", os.path.basename(os.path.normpath(workdir)))
+    return SEED_SUFFIX.sub("", os.path.basename(os.path.normpath(workdir)))
+
+
+def workdir_seed(workdir: str) -> int | None:
+    """The seed a workdir's name ends in, or None."""
+    match = SEED_SUFFIX.search(os.path.basename(os.path.normpath(workdir)))
+    return int(match.group(1)) if match else None
 
 
 def load_workdir_model(workdir: str, step: int | str | None = None, **overrides) -> EvalModel:

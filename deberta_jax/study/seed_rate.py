@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 import pandas as pd
@@ -26,11 +25,9 @@ from absl import app, flags
 from scipy import stats
 
 from deberta_jax.data import atomic, errors
-from deberta_jax.study import report
+from deberta_jax.study import length_study, report
 from deberta_jax.study.curves import DEFAULT_MARGIN, plot_by_step
 from deberta_jax.study.report import CONFIDENCE
-
-SEED_SUFFIX = re.compile(r"[-_](?:s|seed)(\d+)$")
 
 
 def read_curves(path: str, run: str, baseline: str) -> dict:
@@ -42,12 +39,12 @@ def read_curves(path: str, run: str, baseline: str) -> dict:
         raise ValueError(f"{path} has no curve labelled {', '.join(map(repr, missing))} (it has "
                          f"{sorted(data.get('curves', {}))}); rebuild it with python -m deberta_jax.study.curves "
                          f"--workdir {run}=... --workdir {baseline}=...")
-    match = SEED_SUFFIX.search(os.path.basename(os.path.normpath(data["workdirs"][run])))
-    if not match:
+    seed = length_study.workdir_seed(data["workdirs"][run])
+    if seed is None:
         raise ValueError(f"{path}: cannot read a seed from {run}'s workdir {data['workdirs'][run]!r} (expected a "
                          "name ending in -s<seed>, as the sweep runner names them)")
     curve = lambda label: {int(step): loss for step, loss in data["curves"][label].items()}  # noqa: E731
-    return dict(seed=int(match.group(1)), run=curve(run), baseline=curve(baseline))
+    return dict(seed=seed, run=curve(run), baseline=curve(baseline))
 
 
 def escape_step(run: dict[int, float], baseline: dict[int, float], margin: float) -> int | None:

@@ -118,7 +118,7 @@ def study_settings(sweep: config_dict.ConfigDict) -> length_study.StudySettings:
     return length_study.StudySettings(
         multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
         protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
-        bootstrap=ev.bootstrap, **({"methods": tuple(ev.methods)} if "methods" in ev else {}))
+        bootstrap=ev.bootstrap, methods=tuple(ev.methods))
 
 
 def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, settings, corpora) -> tuple[list, list]:
