@@ -19,16 +19,16 @@ from ml_collections import config_dict
 
 from deberta_jax.aot import analysis
 from deberta_jax.aot.chips import GIB, TpuSlice
-from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, scoring
 from deberta_jax.train import config_checks, sharding, steps
 from deberta_jax.train import programs as run_programs
 
 PROGRAMS = ("train", "eval", "length")
-# The kernels the length study's forward is compiled with by default: the fused Pallas kernel is Triton (GPU)
-# code, which has no TPU lowering.
-LENGTH_KERNELS = ("dense", "blockwise")
+# The kernels the length study's forward is compiled with by default; 'pallas' is Triton (GPU) code, which has no
+# TPU lowering.
+LENGTH_KERNELS = ("dense", "blockwise", "pallas_tpu")
 
 
 def _compile(name: str, lower: Callable, tpu: TpuSlice, *, num_chips: int, tokens: int, flops: float
@@ -91,8 +91,11 @@ def compile_run(config: config_dict.ConfigDict, tpu: TpuSlice, *, programs: Sequ
 def _compile_length_forward(model_config: ModelConfig, kernel: str, eval_len: int, tokens_per_batch: int,
                             tpu: TpuSlice) -> analysis.ProgramReport:
     """The length study's scoring forward at `eval_len`, on one chip, with eval.py's batch for that length."""
-    cfg = length_forward_config(model_config, kernel)
     name = f"length forward {eval_len} ({kernel})"
+    try:
+        cfg = length_forward_config(model_config, kernel)
+    except ConfigError as err:  # a kernel this variant cannot use (the TPU kernel and a per-distance bias)
+        return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=str(err))
     rows = max(1, tokens_per_batch // eval_len)
     targets = scoring.scored_count(rows * eval_len, 0)
     flops = analysis.model_flops(cfg, rows, eval_len, targets, train=False)

@@ -11,11 +11,14 @@ import jax
 from deberta_jax.kernels.blockwise import blockwise_attention
 from deberta_jax.kernels.dense import dense_attention
 
-KERNELS = ("dense", "blockwise", "pallas")
+KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu")
+# The fused kernels, which implement neither attention dropout nor the length-aware options (window, temperature).
+FUSED_KERNELS = ("pallas", "pallas_tpu")
 
 
 def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
-    """`dense`, `blockwise` (blocks of `block_size` keys) or `pallas` (its forward pass fused for GPUs)."""
+    """`dense`, `blockwise` (blocks of `block_size` keys), `pallas` (its forward pass fused for GPUs) or
+    `pallas_tpu` (forward and backward fused for TPUs; DeBERTa's terms from the projected tables)."""
     if name == "dense":
         return dense_attention
     if name == "blockwise":
@@ -24,4 +27,7 @@ def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
         # Imported on demand: only this kernel needs Pallas and its Triton lowering.
         from deberta_jax.kernels.pallas import pallas_attention
         return functools.partial(pallas_attention, block_size=block_size)
+    if name == "pallas_tpu":
+        from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
+        return pallas_tpu_attention
     raise ValueError(f"unknown attention kernel {name!r}; choose one of {KERNELS}")

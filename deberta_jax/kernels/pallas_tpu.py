@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec
 
 from deberta_jax.kernels.scores import ScoreTerms, mask_keys
 
@@ -268,6 +270,27 @@ def _table_specs(shape: _Shape, tiles):
     return specs
 
 
+# Matrix-unit work per tile pair beyond recomputing the scores, in units of a `[T, T] x [T, d]` product: the
+# forward's p @ v; dq's dp, ds @ k and c2p's `[T, 2T] x [2T, d]`; dk/dv's dp, ds^T @ q, p^T @ do and p2c's; the
+# table kernel's dp and one `[2T, T] x [T, d]` per table.
+_EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 2 * s.c2p,
+                   "_dkv_kernel": lambda s: 3 + 2 * s.p2c, "_dtable_kernel": lambda s: 1 + 2 * (s.c2p + s.p2c)}
+
+
+def _cost(kernel, shape: _Shape, operands, out_shapes) -> pl.CostEstimate:
+    """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
+    products of every tile pair (scores: q.k plus `[T, d] x [d, 2T]` per position term), one exp per score, and
+    the bytes of every block the grid streams (each key-side block once per query tile and the reverse)."""
+    b, h, _, d = operands[0].shape
+    pairs = b * h * shape.num_tiles ** 2
+    unit = 2 * shape.tile ** 2 * d
+    products = 1 + 2 * (shape.c2p + shape.p2c) + _EXTRA_PRODUCTS[kernel.__name__](shape)
+    streamed = sum(x.size * x.dtype.itemsize for x in operands) * shape.num_tiles
+    written = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(out_shapes))
+    return pl.CostEstimate(flops=pairs * unit * products, transcendentals=pairs * shape.tile ** 2,
+                           bytes_accessed=streamed + written)
+
+
 def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics):
     """One pallas_call over `grid`: per-token inputs follow `tiles` (query tile for q-side, key tile for k-side)."""
     t = shape.tile
@@ -288,7 +311,7 @@ def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_sp
     def run(interpret, *args):
         return pl.pallas_call(
             body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
-            scratch_shapes=scratch, interpret=interpret,
+            scratch_shapes=scratch, interpret=interpret, cost_estimate=_cost(kernel, shape, operands, out_shapes),
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
             name=kernel.__name__.strip("_"))(*args)
 
@@ -409,5 +432,13 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         ec = terms.pos_key[:, reverse] if shape.c2p else None
         eq = terms.pos_query[:, forward] if shape.p2c else None
     mask = jnp.pad(key_mask.astype(jnp.int32), [(0, 0), (0, pad)])[:, None, :]
-    out = _attention(shape, padded(q), padded(k), padded(v), mask, ec, eq)
+    attend = functools.partial(_attention, shape)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        # XLA cannot partition a Mosaic call: each device runs it on its rows of the batch, which a run's mesh
+        # splits over all of its axes (`train.sharding.batch_sharding`); the tables are replicated.
+        rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(rows, rows, rows, rows, whole, whole), out_specs=rows,
+                               check_vma=False)
+    out = attend(padded(q), padded(k), padded(v), mask, ec, eq)
     return out[:, :, :length]

@@ -121,7 +121,9 @@ class SelfAttention(nnx.Module):
         terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2], temperature=ctx.temperature, window=cfg.attention_window)
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
-            if cfg.attention_kernel == "dense" and cfg.relative_terms_for(jax.default_backend()) == "shift":
+            # The TPU kernel and the dense kernel's shift formulation take the projected tables themselves.
+            shift = cfg.attention_kernel == "dense" and cfg.relative_terms_for(jax.default_backend()) == "shift"
+            if shift or cfg.attention_kernel == "pallas_tpu":
                 terms = dataclasses.replace(terms, relative=ctx.relative, pos_key=pos_k, pos_query=pos_q)
             else:
                 terms = dataclasses.replace(

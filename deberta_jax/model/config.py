@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from deberta_jax.kernels.dispatch import KERNELS
+from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
 ATTENTION_KERNELS = KERNELS
@@ -74,7 +74,8 @@ class ModelConfig:
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
     "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.kernels.pallas`;
-    interpret mode elsewhere; no attention dropout in training). All give the same results to float
+    interpret mode elsewhere; no attention dropout in training), "pallas_tpu" fuses both passes for TPUs
+    (`deberta_jax.kernels.pallas_tpu`; no dropout, ALiBi or T5 bias). All give the same results to float
     rounding and load the same parameters, so a model trained with one can be evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
@@ -288,6 +289,10 @@ class ModelConfig:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
+        if self.attention_kernel == "pallas_tpu" and self.attention in ("alibi", "t5_bias"):
+            _fail("attention_kernel", self.attention_kernel,
+                  f"the TPU kernel has no per-distance bias, which attention={self.attention!r} adds; use "
+                  "attention_kernel='dense' or 'blockwise'")
         if self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size,
                   "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")
@@ -385,9 +390,9 @@ class ModelConfig:
             _fail("relative_position_policy", self.relative_position_policy,
                   "scales relative distances, and attention='entangled' has none; for a learned absolute table "
                   "use absolute_position_policy='interpolate'")
-        if self.attention_kernel == "pallas" and (self.attention_window or self.attention_temperature != "none"):
+        if self.attention_kernel in FUSED_KERNELS and (self.attention_window or self.attention_temperature != "none"):
             _fail("attention_kernel", self.attention_kernel,
-                  "the fused Pallas kernel implements neither attention_window nor attention_temperature; "
+                  "the fused Pallas kernels implement neither attention_window nor attention_temperature; "
                   "use attention_kernel='dense' or 'blockwise' with them")
 
     def _validate_computation(self) -> None:

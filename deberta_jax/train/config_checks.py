@@ -18,6 +18,7 @@ from ml_collections import config_dict
 from ml_collections.config_flags import config_flags as config_flags_module
 
 from deberta_jax.data import packing
+from deberta_jax.kernels.dispatch import FUSED_KERNELS
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.train.optim import SCHEDULES
 
@@ -97,10 +98,10 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              f"to at least {seq_len} or shorten seq_len")
     model_config = dataclasses.replace(model_config, trained_length=seq_len)
     # Training draws attention dropout, which the fused kernel does not implement: refuse now, not at the first step.
-    _require(model_config.attention_kernel != "pallas" or model_config.attention_dropout == 0, "model.attention_kernel",
-             model_config.attention_kernel, f"has no attention dropout, and model.attention_dropout="
-             f"{model_config.attention_dropout}; set model.attention_dropout=0, or train with 'blockwise' or 'dense' "
-             "(same results) and evaluate with 'pallas'")
+    _require(model_config.attention_kernel not in FUSED_KERNELS or model_config.attention_dropout == 0,
+             "model.attention_kernel", model_config.attention_kernel, f"has no attention dropout, and "
+             f"model.attention_dropout={model_config.attention_dropout}; set model.attention_dropout=0, or train "
+             f"with 'blockwise' or 'dense' (same results) and evaluate with {model_config.attention_kernel!r}")
 
     # ---- train
     train = "train."

@@ -8,6 +8,7 @@ optimizer, shardings, donation and kernels), not a re-creation of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -40,6 +41,16 @@ class RunPrograms:
     batch_sharding: NamedSharding
 
 
+def _traced_on(mesh: Mesh, fn):
+    """`fn` traced with `mesh` as the context mesh: a kernel XLA cannot partition by itself (the fused TPU kernel)
+    reads it to split its call over the batch (`shard_map`)."""
+    @functools.wraps(fn)
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
+
+
 def build(config: config_dict.ConfigDict, model_config: ModelConfig, mesh: Mesh) -> RunPrograms:
     """The programs of `config` (validated) with `model_config` (its vocabulary resolved) on `mesh`."""
     train_cfg = config.train
@@ -53,12 +64,13 @@ def build(config: config_dict.ConfigDict, model_config: ModelConfig, mesh: Mesh)
     state_sharding = sharding.state_sharding(mesh, abstract_state)  # replicated unless config.mesh.fsdp > 1
     batch_sharding = sharding.batch_sharding(mesh)
     train_step = jax.jit(
-        steps.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
-                              grad_accum_steps=train_cfg.grad_accum_steps, mask_prob=config.data.mask_prob,
-                              head_groups=mesh.size),
+        _traced_on(mesh, steps.make_train_step(graphdef, optimizer, schedule, seed=config.seed,
+                                               grad_accum_steps=train_cfg.grad_accum_steps,
+                                               mask_prob=config.data.mask_prob, head_groups=mesh.size)),
         in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
         donate_argnums=0)
-    eval_step = jax.jit(steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob, head_groups=mesh.size),
+    eval_step = jax.jit(_traced_on(mesh, steps.make_eval_step(graphdef, mask_prob=config.data.mask_prob,
+                                                              head_groups=mesh.size)),
                         in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated)
     return RunPrograms(init=jax.jit(init_fn, out_shardings=state_sharding), train_step=train_step,
                        eval_step=eval_step, abstract_state=abstract_state, state_sharding=state_sharding,

@@ -153,3 +153,21 @@ def test_command_refuses_a_bad_topology_without_a_traceback():
 def test_suite_runs_on_cpu_jax():
     """libtpu is installed for these compiles; the suite itself must still run on the CPU backend."""
     assert jax.default_backend() == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_fused_tpu_kernel_compiles_into_the_train_step(topology):
+    """DeBERTa's train step with attention_kernel='pallas_tpu' compiles for v5e and v5p (Mosaic lowers the kernels
+    forward and backward), and its optimized program holds no gather whose output grows with N^2: the only gathers
+    left are the per-distance table expansion (O(N d)) and the embeddings'."""
+    config = micro(batch_size=8)
+    config.data.seq_len = 256
+    config.model.update(attention_kernel="pallas_tpu", attention_dropout=0.0)
+    tpu = tpu_slice(topology)
+    train, = build.compile_run(config, tpu, programs=["train"])
+    assert train.cost is not None, train.error
+    n = config.data.seq_len
+    assert 0 < train.cost.largest_gather_bytes < 4 * n * n  # less than one float32 [N, N] score matrix
+    # XLA counts the kernels' work through their cost estimates: about the model's FLOPs or more (recompute).
+    assert train.cost.flops > 0.9 * train.model_flops / train.num_chips

@@ -1,0 +1,145 @@
+"""The fused TPU kernel (interpret mode on CPU) equals the dense kernel: outputs and every gradient (queries, keys,
+values, both projected relative tables), c2p and p2c on and off, log buckets and exact distances, padding, lengths
+that are not a multiple of the tile, float32 and bfloat16; and the model computes the same with it. Compiling it
+for TPUs is tested in tests/aot/test_pallas_tpu_compiles.py."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deberta_jax.kernels.dense import dense_attention
+from deberta_jax.kernels.pallas_tpu import expand_tables, pallas_tpu_attention
+from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances
+from deberta_jax.model import positions
+from deberta_jax.model.config import ConfigError, ModelConfig
+from tests.kernels.test_kernels import outputs_and_grads
+
+B, H, D, R = 2, 2, 8, 12
+
+
+def table_inputs(terms_on, buckets, n=37, seed=0, dtype=jnp.float32):
+    """(terms, v, key_mask) with projected tables `[H, R, d]`; row 1 of the batch ends in padding."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    rel = positions.relative_index_by_distance(n, n, position_buckets=buckets, max_relative_positions=R // 2 if
+                                               not buckets else 16)
+    terms = ScoreTerms(q=normal(B, H, n, D), k=normal(B, H, n, D), key_len=n)
+    if terms_on:
+        terms = dataclasses.replace(terms, relative=RelativeIndex(rel),
+                                    pos_key=normal(H, R, D) if "c2p" in terms_on else None,
+                                    pos_query=normal(H, R, D) if "p2c" in terms_on else None)
+    key_mask = np.ones((B, n), np.int32)
+    key_mask[1, n - 8:] = 0
+    return terms, normal(B, H, n, D), jnp.asarray(key_mask)
+
+
+def max_error(a, b):
+    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("terms_on,buckets", [
+    (("c2p", "p2c"), R // 2),  # DeBERTa v2/v3: log buckets, clamped outermost rows
+    (("c2p", "p2c"), 0),       # exact distances, clipped at max_relative_positions
+    (("c2p",), R // 2),
+    (("p2c",), R // 2),
+    ((), 0),                   # no position terms: FlashAttention (BERT, NoPE, RoPE)
+])
+def test_equals_dense_kernel_outputs_and_gradients(terms_on, buckets):
+    terms, v, key_mask = table_inputs(terms_on, buckets)
+    # Tiles of 16 over 37 positions: three tiles, five diagonals, the last tile mostly padding.
+    out, grads = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=16), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    assert max_error(out, want_out) < 2e-6
+    # Every leaf that gets a gradient: q, k, v and each table that is on (observed ~7e-7).
+    assert len(jax.tree.leaves(grads)) == 3 + len(terms_on)
+    assert max_error(grads, want_grads) < 3e-6
+
+
+def test_the_tpu_tile_size():
+    """Tiles of 128 (what Mosaic compiles), a length just past one tile: the strides of the lane rotation are
+    those of the compiled kernel."""
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, n=130)
+    out, grads = outputs_and_grads(pallas_tpu_attention, terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    assert max_error(out, want_out) < 2e-6 and max_error(grads, want_grads) < 5e-6
+
+
+def test_bfloat16_within_its_rounding():
+    """bfloat16 inputs: the kernel's error against a float32 reference is of the order of the dense kernel's own
+    (both round the products' inputs and the probabilities to bfloat16)."""
+    terms16, v16, key_mask = table_inputs(("c2p", "p2c"), R // 2, dtype=jnp.bfloat16)
+    terms32, v32 = jax.tree.map(lambda x: x.astype(jnp.float32), (terms16, v16))
+    reference = outputs_and_grads(dense_attention, terms32, v32, key_mask)
+    fused = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=16), terms16, v16, key_mask)
+    dense = outputs_and_grads(dense_attention, terms16, v16, key_mask)
+    assert fused[0].dtype == jnp.bfloat16
+    for part in (0, 1):
+        assert max_error(fused[part], reference[part]) < 2 * max_error(dense[part], reference[part]) + 1e-2
+
+
+def test_expanded_tables_read_every_distance_in_place():
+    """Row r of the forward layout is distance r - (padded - 1), of the reversed one padded - 1 - r; distances
+    only padding reaches repeat the outermost real one."""
+    n, tile = 5, 4
+    by_distance = np.arange(2 * n - 1) * 10  # entry = 10 * (distance + n - 1)
+    forward, reverse = expand_tables(by_distance, n, tile)
+    padded = 8
+    dist = np.clip(np.arange(2 * padded) - (padded - 1), -(n - 1), n - 1)
+    np.testing.assert_array_equal(forward, (dist + n - 1) * 10)
+    np.testing.assert_array_equal(reverse, ((np.clip(padded - 1 - np.arange(2 * padded), -(n - 1), n - 1)) + n - 1)
+                                  * 10)
+    assert len(distances(n, n)) == len(by_distance)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dropout_rate=0.1, dropout_key=jax.random.key(0)), "no attention dropout"),
+    (dict(bias=True), "per-distance bias"),
+    (dict(window=16), "attention_window"),
+    (dict(temperature=True), "attention_temperature"),
+])
+def test_refuses_what_it_does_not_implement(change, message):
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
+    kwargs = {k: change.pop(k) for k in ("dropout_rate", "dropout_key") if k in change}
+    if change.pop("bias", False):
+        change["bias"] = positions.alibi_bias(37, 37, H)
+    if change.pop("temperature", False):
+        change["temperature"] = jnp.ones((B, 1, 37, 1))
+    with pytest.raises(ValueError, match=message):
+        pallas_tpu_attention(dataclasses.replace(terms, **change), v, key_mask, **kwargs)
+
+
+def test_config_refuses_a_per_distance_bias_with_the_tpu_kernel():
+    with pytest.raises(ConfigError, match=r"model.attention_kernel='pallas_tpu'.*attention='alibi'"):
+        ModelConfig(attention="alibi", attention_kernel="pallas_tpu")
+    with pytest.raises(ConfigError, match="attention_window"):
+        ModelConfig(attention_kernel="pallas_tpu", attention_window=16)
+
+
+def test_model_with_the_tpu_kernel_equals_the_dense_one():
+    """DeBERTa with EMD, shared keys off and log buckets: logits and every parameter's gradient agree."""
+    from flax import nnx
+
+    from deberta_jax.model.encoder import MaskedLM
+    base = dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                max_position_embeddings=64, position_buckets=8, max_relative_positions=16, share_att_key=False,
+                emd_layers=1, hidden_dropout=0.0, attention_dropout=0.0)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 40)))
+    mask = jnp.ones((2, 40), jnp.int32).at[1, 31:].set(0)
+    results = []
+    for kernel in ("dense", "pallas_tpu"):
+        model = MaskedLM(ModelConfig(**base, attention_kernel=kernel), rngs=nnx.Rngs(params=3))
+        graphdef, params = nnx.split(model)
+
+        def loss(params, graphdef=graphdef):
+            logits = nnx.merge(graphdef, params)(ids, mask)
+            return jnp.sum(jnp.sin(logits)), logits
+        (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        results.append((logits, grads))
+    assert max_error(results[0][0], results[1][0]) < 1e-5
+    # Per parameter, relative to its largest gradient entry (embedding gradients reach ~10; observed ~1e-6).
+    for got, want in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[0][1])):
+        assert max_error(got, want) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
