@@ -4,21 +4,21 @@ The Triton kernel (`kernels.pallas`) reads DeBERTa's position terms with element
 TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are matrix-unit work and lane rotations:
 
 - Outside the kernel each projected relative table (`[H, R, d]`) is expanded to one row per distance,
-  `[H, 2N, d]` (`expand_tables`; `O(N d)`, the only gather). Position keys are laid out by decreasing distance,
-  position queries by increasing distance.
+  stored transposed, `[H, d, 2N]` (`expand_tables`; `O(N d)`, the only gather; distances along lanes, so d = 64
+  wastes no lane padding). Position keys are laid out by decreasing distance, position queries by increasing.
 - For a tile of `T` queries at `i0` and `T` keys at `j0`, the distances `i - j` of its pairs span the `2T - 1`
-  consecutive rows starting at `i0 - j0 - (T - 1)`: two aligned `[T, d]` blocks of the expanded table (aligned
-  because `i0 - j0` is a multiple of `T`). `q_tile @ rows^T` is `[T, 2T]` on the matrix unit: query `a` against
-  every distance of the tile. Rotating row `a` by `T + 1 + a` lanes (`pltpu.roll` with a stride) moves the entry
-  for key `c` to column `c`: the relative shift of Transformer-XL done per tile, with no `[N, N]` tensor. p2c is
-  the same with keys and position queries, transposed.
+  consecutive rows starting at `i0 - j0 - (T - 1)`: a `[d, 2T]` slice of the head's expanded table, which stays
+  in VMEM while the head's tiles go by, at an offset aligned to the tile (`i0 - j0` is a multiple of `T`).
+  `q_tile @ rows^T` is `[T, 2T]` on the matrix unit: query `a` against every distance of the tile. Rotating row
+  `a` by `T + 1 + a` lanes (`pltpu.roll` with a stride) moves the entry for key `c` to column `c`: the relative
+  shift of Transformer-XL done per tile, with no `[N, N]` tensor. p2c is the same with keys and position
+  queries, transposed.
 - The softmax is FlashAttention's online softmax over key tiles (grid axis 3), saving each row's log-sum-exp.
 
-The backward pass recomputes each tile's probabilities from the log-sum-exp in three kernels, each owning the
-gradients it accumulates: queries (and c2p's share of them) over key tiles, keys and values (and p2c's share)
-over query tiles, and the expanded tables over the tiles of one diagonal `i0 - j0`, where every pair reads the
-same `2T` table rows. The inverse rotation (`_unskew`) takes a score gradient back to per-distance columns;
-the per-diagonal table gradients overlap by `T` rows and are added outside (`_overlap_add`).
+The backward pass recomputes each tile's probabilities from the log-sum-exp in two kernels, FlashAttention-2's
+split: queries over key tiles, keys and values over query tiles. The inverse rotation (`_unskew`) takes a tile's
+score gradient back to per-distance columns, which give c2p's share of dq (and p2c's of dk) and add into the
+head's whole table gradient, held in VMEM (float32) while every sequence and tile pair of the head goes by.
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
 (the expansion reads the per-distance index). No attention dropout, per-distance bias, temperature or window:
@@ -108,34 +108,56 @@ def _unskew(grad, tile: int):
 
 
 def _scores(shape: _Shape, q, k, ec, eq, real, key_tile):
-    """Masked float32 scores `[T, T]` of one tile; `ec` / `eq` are its `[2T, d]` expanded rows (or None)."""
+    """Masked float32 scores `[T, T]` of one tile; `ec` / `eq` are its `[d, 2T]` expanded rows (or None)."""
     t = shape.tile
     raw = _dot_t(q, k)
     if shape.c2p:
-        raw = raw + _skew(_dot_t(q, ec), t)
+        raw = raw + _skew(_dot(q, ec), t)
     if shape.p2c:
-        raw = raw + _skew(_dot_t(k, eq), t).T
+        raw = raw + _skew(_dot(k, eq), t).T
     positions = key_tile * t + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
     return mask_keys(raw / shape.divisor, real, positions < shape.length)
 
 
-def _rows(lo_ref, hi_ref):
-    return None if lo_ref is None else jnp.concatenate([lo_ref[...], hi_ref[...]], axis=0)
+def _to_row(column):
+    """`[T, 1]` -> `[1, T]`. Per-query statistics leave and enter the kernels as rows of a `[..., 1, N]` array: as a
+    `[..., N, 1]` column each value would fill a 128-lane row of HBM (128x the bytes)."""
+    t = column.shape[0]
+    return jnp.broadcast_to(column, (t, t)).T[:1]
+
+
+def _to_column(row):
+    """`[1, T]` -> `[T, 1]`."""
+    t = row.shape[1]
+    return jnp.broadcast_to(row, (t, t)).T[:, :1]
+
+
+def _table_rows(shape: _Shape, ec_ref, eq_ref, query_tile, key_tile):
+    """The `[d, 2T]` rows of each expanded table (None when off) that tile pair (query_tile, key_tile) reads: the
+    reversed layout (c2p) from block `n - 1 - (i - j)`, the forward one (p2c) from `n - 1 + (i - j)`. Aligned to
+    the tile, so the slice of the head's table (resident in VMEM) is a plain load."""
+    t, n = shape.tile, shape.num_tiles
+
+    def rows(ref, sign):
+        if ref is None:
+            return None
+        return ref[:, pl.ds(pl.multiple_of((n - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)]
+    return rows(ec_ref, -1), rows(eq_ref, 1)
 
 
 def _split_refs(refs, shape: _Shape, count: int):
-    """The leading `count` refs, then c2p's two row blocks and p2c's (None when off), then the rest."""
+    """The leading `count` refs, then c2p's table and p2c's (None when off), then the rest."""
     refs = list(refs)
     head, refs = refs[:count], refs[count:]
-    ec = (refs.pop(0), refs.pop(0)) if shape.c2p else (None, None)
-    eq = (refs.pop(0), refs.pop(0)) if shape.p2c else (None, None)
+    ec = refs.pop(0) if shape.c2p else None
+    eq = refs.pop(0) if shape.p2c else None
     return head, ec, eq, refs
 
 
 # ------------------------------------------------------------------------------------------------- forward
 def _forward_kernel(*refs, shape: _Shape):
     (q_ref, k_ref, v_ref, mask_ref), ec, eq, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
-    key_tile = pl.program_id(3)
+    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(key_tile == 0)
     def _():
@@ -143,7 +165,8 @@ def _forward_kernel(*refs, shape: _Shape):
         l_sc[...] = jnp.zeros_like(l_sc)
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
-    s = _scores(shape, q_ref[...], k_ref[...], _rows(*ec), _rows(*eq), mask_ref[...] != 0, key_tile)
+    s = _scores(shape, q_ref[...], k_ref[...], *_table_rows(shape, ec, eq, query_tile, key_tile),
+                mask_ref[...] != 0, key_tile)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
@@ -155,31 +178,62 @@ def _forward_kernel(*refs, shape: _Shape):
     @pl.when(key_tile == pl.num_programs(3) - 1)
     def _():
         o_ref[...] = (acc_sc[...] / l_sc[...]).astype(o_ref.dtype)
-        lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
+        lse_ref[...] = _to_row(m_sc[...] + jnp.log(l_sc[...]))
 
 
 # ------------------------------------------------------------------------------------------------ backward
 def _score_grad(shape: _Shape, q, k, v, ec, eq, real, key_tile, do, lse, delta):
     """Probabilities and the gradient of the raw score sum `q.k + c2p + p2c` of one tile (masked keys get none)."""
-    p = jnp.exp(_scores(shape, q, k, ec, eq, real, key_tile) - lse)
+    p = jnp.exp(_scores(shape, q, k, ec, eq, real, key_tile) - _to_column(lse))
     dp = _dot_t(do, v)
-    return p, jnp.where(real, p * (dp - delta), 0.0) / shape.divisor
+    return p, jnp.where(real, p * (dp - _to_column(delta)), 0.0) / shape.divisor
+
+
+def _table_gradient(shape: _Shape, acc, grad, block, first, last, out):
+    """Add one tile pair's `[d, 2T]` table gradient into the head's whole-table float32 accumulator at `block`
+    (the columns `_table_rows` read), zeroed at the head's first step and written out at its last."""
+    t = shape.tile
+
+    @pl.when(first)
+    def _():
+        acc[...] = jnp.zeros_like(acc)
+
+    columns = pl.ds(pl.multiple_of(block * t, t), 2 * t)
+    acc[:, columns] = acc[:, columns] + grad
+
+    @pl.when(last)
+    def _():
+        out[...] = acc[...].astype(out.dtype)
+
+
+def _head_steps():
+    """(first, last) step of a head in a backward grid (head, sequence, x, y), where x and y are its tiles."""
+    first = (pl.program_id(1) == 0) & (pl.program_id(2) == 0) & (pl.program_id(3) == 0)
+    last = ((pl.program_id(1) == pl.num_programs(1) - 1) & (pl.program_id(2) == pl.num_programs(2) - 1)
+            & (pl.program_id(3) == pl.num_programs(3) - 1))
+    return first, last
 
 
 def _dq_kernel(*refs, shape: _Shape):
-    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, (dq_ref, dq_sc) = _split_refs(refs, shape, 7)
-    key_tile = pl.program_id(3)
+    """Grid (head, sequence, query tile, key tile): dq over key tiles, and c2p's table gradient over the head."""
+    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
+    dq_ref, dq_sc = rest[0], rest[1 + shape.c2p]
+    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(key_tile == 0)
     def _():
         dq_sc[...] = jnp.zeros_like(dq_sc)
 
-    k, ec_rows = k_ref[...], _rows(*ec)
-    _, ds = _score_grad(shape, q_ref[...], k, v_ref[...], ec_rows, _rows(*eq), mask_ref[...] != 0, key_tile,
+    q, k = q_ref[...], k_ref[...]
+    ec_rows, eq_rows = _table_rows(shape, ec, eq, query_tile, key_tile)
+    _, ds = _score_grad(shape, q, k, v_ref[...], ec_rows, eq_rows, mask_ref[...] != 0, key_tile,
                         do_ref[...], lse_ref[...], delta_ref[...])
     dq = _dot(ds.astype(k.dtype), k)
     if shape.c2p:
-        dq = dq + _dot(_unskew(ds, shape.tile).astype(ec_rows.dtype), ec_rows)
+        per_distance = _unskew(ds, shape.tile)
+        dq = dq + _dot_t(per_distance.astype(ec_rows.dtype), ec_rows)
+        block = shape.num_tiles - 1 - (query_tile - key_tile)
+        _table_gradient(shape, rest[-1], _dot(q.T.astype(jnp.float32), per_distance), block, *_head_steps(), rest[1])
     dq_sc[...] += dq
 
     @pl.when(key_tile == pl.num_programs(3) - 1)
@@ -188,21 +242,27 @@ def _dq_kernel(*refs, shape: _Shape):
 
 
 def _dkv_kernel(*refs, shape: _Shape):
+    """Grid (head, sequence, key tile, query tile): dk and dv over query tiles, and p2c's table gradient."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
-    dk_ref, dv_ref, dk_sc, dv_sc = rest
-    query_tile = pl.program_id(3)
+    dk_ref, dv_ref = rest[:2]
+    dk_sc, dv_sc = rest[2 + shape.p2c: 4 + shape.p2c]
+    key_tile, query_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(query_tile == 0)
     def _():
         dk_sc[...] = jnp.zeros_like(dk_sc)
         dv_sc[...] = jnp.zeros_like(dv_sc)
 
-    q, do, eq_rows = q_ref[...], do_ref[...], _rows(*eq)
-    p, ds = _score_grad(shape, q, k_ref[...], v_ref[...], _rows(*ec), eq_rows, mask_ref[...] != 0,
-                        pl.program_id(2), do, lse_ref[...], delta_ref[...])
+    q, k, do = q_ref[...], k_ref[...], do_ref[...]
+    ec_rows, eq_rows = _table_rows(shape, ec, eq, query_tile, key_tile)
+    p, ds = _score_grad(shape, q, k, v_ref[...], ec_rows, eq_rows, mask_ref[...] != 0,
+                        key_tile, do, lse_ref[...], delta_ref[...])
     dk = _dot(ds.T.astype(q.dtype), q)
     if shape.p2c:
-        dk = dk + _dot(_unskew(ds.T, shape.tile).astype(eq_rows.dtype), eq_rows)
+        per_distance = _unskew(ds.T, shape.tile)
+        dk = dk + _dot_t(per_distance.astype(eq_rows.dtype), eq_rows)
+        block = shape.num_tiles - 1 + (query_tile - key_tile)
+        _table_gradient(shape, rest[-1], _dot(k.T.astype(jnp.float32), per_distance), block, *_head_steps(), rest[2])
     dk_sc[...] += dk
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
@@ -212,107 +272,68 @@ def _dkv_kernel(*refs, shape: _Shape):
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _diagonal(shape: _Shape, diagonal, step):
-    """Query and key tile of step `step` along tile diagonal `diagonal` (`i - j = diagonal - (n - 1)`), clamped
-    into range, and whether the step is real (a diagonal off the main one has fewer tiles)."""
-    n = shape.num_tiles
-    offset = diagonal - (n - 1)
-    query_tile = jnp.maximum(offset, 0) + step
-    key_tile = query_tile - offset
-    real = jnp.logical_and(query_tile < n, key_tile < n)
-    return jnp.minimum(query_tile, n - 1), jnp.minimum(key_tile, n - 1), real
-
-
-def _dtable_kernel(*refs, shape: _Shape):
-    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
-    outs, scratch = rest[:len(rest) // 2], rest[len(rest) // 2:]
-    step = pl.program_id(3)
-    _, key_tile, real = _diagonal(shape, pl.program_id(2), step)
-
-    @pl.when(step == 0)
-    def _():
-        for acc in scratch:
-            acc[...] = jnp.zeros_like(acc)
-
-    @pl.when(real)
-    def _():
-        q, k = q_ref[...], k_ref[...]
-        _, ds = _score_grad(shape, q, k, v_ref[...], _rows(*ec), _rows(*eq), mask_ref[...] != 0, key_tile,
-                            do_ref[...], lse_ref[...], delta_ref[...])
-        grads = []
-        if shape.c2p:
-            grads.append(_dot(_unskew(ds, shape.tile).T, q.astype(jnp.float32)))
-        if shape.p2c:
-            grads.append(_dot(_unskew(ds.T, shape.tile).T, k.astype(jnp.float32)))
-        for acc, grad in zip(scratch, grads):
-            acc[...] += grad
-
-    @pl.when(step == pl.num_programs(3) - 1)
-    def _():
-        for out, acc in zip(outs, scratch):
-            out[...] = acc[...]
-
-
 # ------------------------------------------------------------------------------------------------ plumbing
-def _table_specs(shape: _Shape, tiles):
-    """BlockSpecs of the two `[T, d]` row blocks of each expanded table a tile reads; `tiles(*grid)` gives the
-    (query tile, key tile) of a grid point. Reversed layout (c2p) starts at block `n - 1 - (i - j)`, forward (p2c)
-    at `n - 1 + (i - j)`."""
-    n, t = shape.num_tiles, shape.tile
-    specs = []
-    for on, sign in ((shape.c2p, -1), (shape.p2c, 1)):
-        if on:
-            for half in (0, 1):
-                def index(b, h, x, y, sign=sign, half=half):
-                    i, j = tiles(x, y)[:2]
-                    return h, n - 1 + sign * (i - j) + half, 0
-                specs.append((index, (None, t, None)))
-    return specs
-
-
 # Matrix-unit work per tile pair beyond recomputing the scores, in units of a `[T, T] x [T, d]` product: the
-# forward's p @ v; dq's dp, ds @ k and c2p's `[T, 2T] x [2T, d]`; dk/dv's dp, ds^T @ q, p^T @ do and p2c's; the
-# table kernel's dp and one `[2T, T] x [T, d]` per table.
-_EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 2 * s.c2p,
-                   "_dkv_kernel": lambda s: 3 + 2 * s.p2c, "_dtable_kernel": lambda s: 1 + 2 * (s.c2p + s.p2c)}
+# forward's p @ v; dq's dp, ds @ k and c2p's `[T, 2T] x [2T, d]` for dq and `[d, T] x [T, 2T]` for its table;
+# dk/dv's dp, ds^T @ q, p^T @ do and p2c's two.
+_EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 4 * s.c2p,
+                   "_dkv_kernel": lambda s: 3 + 4 * s.p2c}
 
 
-def _cost(kernel, shape: _Shape, operands, out_shapes) -> pl.CostEstimate:
+def _cost(kernel, shape: _Shape, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
     products of every tile pair (scores: q.k plus `[T, d] x [d, 2T]` per position term), one exp per score, and
-    the bytes of every block the grid streams (each key-side block once per query tile and the reverse)."""
-    b, h, _, d = operands[0].shape
-    pairs = b * h * shape.num_tiles ** 2
+    the bytes the grid moves: blocks of the `resident` side (the one fixed along the innermost grid axis) once,
+    the other side's once per tile of the resident one, and each head's tables once per sequence."""
+    b, h, _, d = inputs[0][0].shape
+    n = shape.num_tiles
+    pairs = b * h * n ** 2
     unit = 2 * shape.tile ** 2 * d
     products = 1 + 2 * (shape.c2p + shape.p2c) + _EXTRA_PRODUCTS[kernel.__name__](shape)
-    streamed = sum(x.size * x.dtype.itemsize for x in operands) * shape.num_tiles
+    streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else n) for x, (_, side) in zip(*inputs))
+    streamed += sum(x.size * x.dtype.itemsize * b for x in tables)
     written = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(out_shapes))
     return pl.CostEstimate(flops=pairs * unit * products, transcendentals=pairs * shape.tile ** 2,
                            bytes_accessed=streamed + written)
 
 
-def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics):
-    """One pallas_call over `grid`: per-token inputs follow `tiles` (query tile for q-side, key tile for k-side)."""
+def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics,
+          resident: str | None, order=lambda *g: g):
+    """One pallas_call over `grid`: `order(*grid point)` is its (sequence, head, x, y) and `tiles(x, y)` its
+    (query tile, key tile), which per-token inputs follow (q-side or k-side); `resident` is the side whose tile the
+    innermost grid axis keeps ("q", "k" or None)."""
     t = shape.tile
 
     def spec(x, block, side):
-        def index(b, h, i, j):
+        def index(*point):
+            b, h, i, j = order(*point)
             tile = tiles(i, j)[0 if side == "q" else 1]
-            return (b, h, tile, 0) if block == "token" else (b, 0, tile)
-        return pl.BlockSpec((None, None, t, x.shape[-1]) if block == "token" else (None, 1, t), index)
+            return {"token": (b, h, tile, 0), "row": (b, h, 0, tile), "mask": (b, 0, tile)}[block]
+        shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "mask": (None, 1, t)}
+        return pl.BlockSpec(shapes[block], index)
 
     in_specs = [spec(x, block, side) for x, (block, side) in zip(*inputs)]
-    d = inputs[0][0].shape[-1]
-    for index, block in _table_specs(shape, tiles):
-        in_specs.append(pl.BlockSpec((block[0], block[1], d), index))
-    operands = list(inputs[0]) + [x for x in tables for _ in (0, 1)]
+    # A head's expanded tables stay in VMEM while its tiles go by (their block changes only with the head).
+    in_specs += [pl.BlockSpec((None,) + x.shape[1:], lambda *point: (order(*point)[1], 0, 0)) for x in tables]
+    operands = list(inputs[0]) + list(tables)
     body = functools.partial(kernel, shape=shape)
+
+    cost = _cost(kernel, shape, inputs, tables, resident, out_shapes)
+    # VMEM for every block twice (Pallas double-buffers them) and the scratch, plus 16 MiB for the tile's
+    # intermediates, at least 32 MiB. v5e/v5p/v6e chips have 95-128 MiB: DeBERTa-base's whole-head tables (and the
+    # table-gradient kernel's float32 accumulators) reach that at about 24k tokens.
+    def block_bytes(spec, x):
+        return math.prod(s for s in spec.block_shape if s is not None) * jnp.dtype(x.dtype).itemsize
+    blocks = [block_bytes(s, x) for s, x in zip(in_specs, operands)]
+    blocks += [block_bytes(s, x) for s, x in zip(jax.tree.leaves(out_specs), jax.tree.leaves(out_shapes))]
+    scratch_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in scratch)
+    vmem_limit = max(32 * 2**20, 16 * 2**20 + 2 * sum(blocks) + scratch_bytes)
 
     def run(interpret, *args):
         return pl.pallas_call(
             body, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shapes,
-            scratch_shapes=scratch, interpret=interpret, cost_estimate=_cost(kernel, shape, operands, out_shapes),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            scratch_shapes=scratch, interpret=interpret, cost_estimate=cost,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit),
             name=kernel.__name__.strip("_"))(*args)
 
     # Mosaic when the program is lowered for a TPU (also from another machine), Pallas' interpreter elsewhere.
@@ -320,7 +341,7 @@ def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_sp
                                       default=functools.partial(run, True))
 
 
-_TOKEN_Q, _TOKEN_K, _MASK = ("token", "q"), ("token", "k"), ("mask", "k")
+_TOKEN_Q, _TOKEN_K, _ROW_Q, _MASK = ("token", "q"), ("token", "k"), ("row", "q"), ("mask", "k")
 _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensionSemantics.ARBITRARY
 
 
@@ -335,21 +356,11 @@ def _forward(shape: _Shape, q, k, v, mask, ec, eq):
     out, lse = _call(
         _forward_kernel, shape, (b, h, n, n), lambda i, j: (i, j),
         ((q, k, v, mask), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK)), _tables(shape, ec, eq),
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, n_pad, 1), jnp.float32)],
-        [token(), pl.BlockSpec((None, None, t, 1), lambda b_, h_, i, j: (b_, h_, i, 0))],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, n_pad), jnp.float32)],
+        [token(), pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
         [pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, d), jnp.float32)],
-        (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY))
+        (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY), resident="q")
     return out, lse
-
-
-def _overlap_add(parts, reverse: bool):
-    """Per-diagonal `[H, 2n - 1, 2T, d]` table gradients -> `[H, 2nT, d]`: diagonal `g` wrote the rows starting at
-    block `g` (forward layout) or `2n - 2 - g` (reversed), so its two halves land on neighbouring blocks."""
-    h, g, two_t, d = parts.shape
-    parts = parts[:, ::-1] if reverse else parts
-    lo, hi = parts[:, :, : two_t // 2], parts[:, :, two_t // 2:]
-    blocks = jnp.pad(lo, [(0, 0), (0, 1), (0, 0), (0, 0)]) + jnp.pad(hi, [(0, 0), (1, 0), (0, 0), (0, 0)])
-    return blocks.reshape(h, (g + 1) * two_t // 2, d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -366,30 +377,33 @@ def _attention_bwd(shape: _Shape, residuals, d_out):
     q, k, v, mask, ec, eq, out, lse = residuals
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    inputs = (q, k, v, mask, d_out, lse, delta)
-    sides = (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _TOKEN_Q, _TOKEN_Q)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :]
+    inputs = ((q, k, v, mask, d_out, lse, delta), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _ROW_Q, _ROW_Q))
     tables = _tables(shape, ec, eq)
-    token = lambda: pl.BlockSpec((None, None, t, d), lambda b_, h_, x, y: (b_, h_, x, 0))  # noqa: E731
-    semantics = (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY)
-    dq = _call(_dq_kernel, shape, (b, h, n, n), lambda i, j: (i, j), (inputs, sides), tables,
-               jax.ShapeDtypeStruct(q.shape, q.dtype), token(), [pltpu.VMEM((t, d), jnp.float32)], semantics)
-    dk, dv = _call(_dkv_kernel, shape, (b, h, n, n), lambda j, i: (i, j), (inputs, sides), tables,
-                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   [token(), token()], [pltpu.VMEM((t, d), jnp.float32)] * 2, semantics)
-    grads = {"ec": None, "eq": None}
-    if tables:
-        per_diagonal = pl.BlockSpec((None, None, None, 2 * t, d), lambda b_, h_, g, s: (b_, h_, g, 0, 0))
-        parts = _call(_dtable_kernel, shape, (b, h, 2 * n - 1, n),
-                      lambda g, s: _diagonal(shape, g, s)[:2], (inputs, sides), tables,
-                      [jax.ShapeDtypeStruct((b, h, 2 * n - 1, 2 * t, d), jnp.float32)] * len(tables),
-                      [per_diagonal] * len(tables), [pltpu.VMEM((2 * t, d), jnp.float32)] * len(tables),
-                      (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY))
-        names = [name for name, on in (("ec", shape.c2p), ("eq", shape.p2c)) if on]
-        for name, part in zip(names, parts):
-            table = ec if name == "ec" else eq
-            grads[name] = _overlap_add(part.sum(axis=0), reverse=name == "ec").astype(table.dtype)
-    return dq, dk, dv, None, grads["ec"], grads["eq"]
+    # Heads outermost: a head's table gradient accumulates over its sequences and tile pairs, so only heads run
+    # in parallel when one is computed.
+    order = lambda h_, b_, x, y: (b_, h_, x, y)  # noqa: E731
+    token = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
+    whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
+    accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
+
+    def semantics(accumulates):
+        return (_PARALLEL,) + ((_ARBITRARY,) * 3 if accumulates else (_PARALLEL, _PARALLEL, _ARBITRARY))
+
+    def like(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    dq, *d_ec = _call(
+        _dq_kernel, shape, (h, b, n, n), lambda i, j: (i, j), inputs, tables,
+        [like(q)] + ([like(ec)] if shape.c2p else []), [token] + [whole_table] * shape.c2p,
+        [pltpu.VMEM((t, d), jnp.float32)] + [accumulator] * shape.c2p, semantics(shape.c2p), resident="q",
+        order=order)
+    dk, dv, *d_eq = _call(
+        _dkv_kernel, shape, (h, b, n, n), lambda j, i: (i, j), inputs, tables,
+        [like(k), like(v)] + ([like(eq)] if shape.p2c else []), [token, token] + [whole_table] * shape.p2c,
+        [pltpu.VMEM((t, d), jnp.float32)] * 2 + [accumulator] * shape.p2c, semantics(shape.p2c), resident="k",
+        order=order)
+    return dq, dk, dv, None, d_ec[0] if d_ec else None, d_eq[0] if d_eq else None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -429,8 +443,9 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     ec = eq = None
     if shape.c2p or shape.p2c:
         forward, reverse = expand_tables(terms.relative.by_distance, length, tile)
-        ec = terms.pos_key[:, reverse] if shape.c2p else None
-        eq = terms.pos_query[:, forward] if shape.p2c else None
+        # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
+        ec = jnp.swapaxes(terms.pos_key[:, reverse], 1, 2) if shape.c2p else None
+        eq = jnp.swapaxes(terms.pos_query[:, forward], 1, 2) if shape.p2c else None
     mask = jnp.pad(key_mask.astype(jnp.int32), [(0, 0), (0, pad)])[:, None, :]
     attend = functools.partial(_attention, shape)
     mesh = jax.sharding.get_abstract_mesh()
