@@ -24,15 +24,15 @@ from deberta_jax.train import config_checks, programs, sharding  # noqa: E402
 
 
 def structure(hlo_text: str) -> list[str]:
-    """The program's instructions without names, metadata or the stack-frame tables, sorted."""
+    """The program's instructions, shapes and layouts included, without instruction names, metadata or the
+    stack-frame tables, sorted (the order XLA prints computations in is not part of the program)."""
     lines = []
     for line in hlo_text.splitlines():
         if line.startswith(("HloModule", "FileNames", "FunctionNames", "FileLocations", "StackFrames")) or \
                 re.match(r'^\d+ ("|\{)', line):
             continue
         line = re.sub(r", metadata=\{[^}]*\}", "", line)
-        line = re.sub(r"%[\w.-]+", "%x", line.replace(".clone", ""))
-        lines.append(re.sub(r"\d+", "N", line) if line.lstrip().startswith(("ROOT", "%x = ")) else line)
+        lines.append(re.sub(r"%[\w.-]+", "%x", line.replace(".clone", "")))
     return sorted(lines)
 
 

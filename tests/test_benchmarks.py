@@ -55,3 +55,35 @@ def test_profile_step_attributes_the_step_to_categories():
     assert {"matmul", "gather", "scatter"} <= set(shares)  # DeBERTa's c2p/p2c gathers and their gradients
     # Every figure is printed to 0.1 ms: the categories add up to the total within their rounding.
     assert shares["matmul"] > 0 and sum(shares.values()) == pytest.approx(total, abs=0.05 * (len(shares) + 1))
+
+
+def test_hlo_fingerprint_ignores_names_and_metadata_not_the_program():
+    import hlo_fingerprint
+    program = """HloModule jit_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+%region_0.1 (a.2: f32[4]) -> f32[4] {
+  %a.2 = f32[4]{0} parameter(0)
+  ROOT %add.3 = f32[4]{0} add(%a.2, %a.2), metadata={op_name="jit(step)/add" source_file="/x/old/model.py"}
+}
+FileNames
+1 "/x/old/model.py"
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+"""
+    renamed = (program.replace("%add.3", "%add.17").replace("/x/old/", "/y/new/").replace("region_0.1", "region_4.2")
+               .replace("1 {file_location_id=1", "2 {file_location_id=3"))
+    assert hlo_fingerprint.structure(renamed) == hlo_fingerprint.structure(program)
+    for changed in (program.replace(" add(", " multiply("), program.replace("f32[4]{0} add", "f32[8]{0} add")):
+        assert hlo_fingerprint.structure(changed) != hlo_fingerprint.structure(program)
+
+
+@pytest.mark.slow  # compiles for a TPU chip (libtpu)
+def test_tpu_attention_benchmark_compiles_the_fused_kernels(tmp_path):
+    out = tmp_path / "attention.json"
+    run_script("tpu_attention.py", "--lengths", "256", "--tokens", "512", "--only", "fused", "--out", str(out))
+    rows = {row["program"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"DeBERTa, fused TPU kernel", "BERT, fused TPU kernel"}
+    deberta, bert = rows["DeBERTa, fused TPU kernel"], rows["BERT, fused TPU kernel"]
+    assert deberta["rows"] == 2 and deberta["hbm_gib"] > 0 and deberta["roofline_ms"] > 0
+    # The kernels' cost estimates reach XLA's analysis: DeBERTa's position products cost more than BERT's tile.
+    assert deberta["gflops"] > 2 * bert["gflops"] > 0
+    assert deberta["gathers"] <= 2 and bert["gathers"] == 0  # only the per-distance table expansions

@@ -134,8 +134,8 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
                  f"{(needed - oom.available_bytes) / GIB:.2f} GiB more than the {oom.available_bytes / GIB:.2f} GiB "
                  f"libtpu can use on a {chip.name} chip."]
     if not report.name.startswith(("train", "eval")):
-        blockwise = "(dense)" in report.name and "the blockwise kernel (eval.py --attention_kernel blockwise, memory " \
-            "linear in length) or "
+        blockwise = "(dense)" in report.name and "a kernel with memory linear in length (eval.py --attention_kernel " \
+            "pallas_tpu or blockwise) or "
         hints.append(f"Use {blockwise or ''}fewer tokens per batch (eval.py --tokens_per_batch).")
         return hints
     per_slice = tpu.num_chips // tpu.num_slices
@@ -149,6 +149,9 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
         hints.append(f"--config.train.batch_size={rows // 2} (now {rows}; evaluation batches have the training "
                      "batch's size).")
         return hints
+    if config.model.attention_kernel != "pallas_tpu" and config.model.attention not in ("alibi", "t5_bias"):
+        hints.append("--config.model.attention_kernel=pallas_tpu (with --config.model.attention_dropout=0): the fused "
+                     "TPU kernel keeps no [B, H, N, N] scores or probabilities for the backward pass.")
     remat = config.model.remat
     if remat != "full":
         hints.append(f"--config.model.remat={'dots_no_batch' if remat == 'none' else 'full'} (now {remat!r}): "
