@@ -132,16 +132,18 @@ def _to_column(row):
     return jnp.broadcast_to(row, (t, t)).T[:, :1]
 
 
-def _table_rows(shape: _Shape, ec_ref, eq_ref, query_tile, key_tile):
-    """The `[d, 2T]` rows of each expanded table (None when off) that tile pair (query_tile, key_tile) reads: the
-    reversed layout (c2p) from block `n - 1 - (i - j)`, the forward one (p2c) from `n - 1 + (i - j)`. Aligned to
-    the tile, so the slice of the head's table (resident in VMEM) is a plain load."""
-    t, n = shape.tile, shape.num_tiles
+def _table_columns(shape: _Shape, sign: int, query_tile, key_tile):
+    """The `2T` columns of an expanded table that tile pair (query_tile, key_tile) reads: from block
+    `n - 1 - (i - j)` in the reversed layout (c2p, `sign` -1), `n - 1 + (i - j)` in the forward one (p2c, +1).
+    Aligned to the tile, so a slice of the head's table (resident in VMEM) is a plain load or store."""
+    t = shape.tile
+    return pl.ds(pl.multiple_of((shape.num_tiles - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)
 
+
+def _table_rows(shape: _Shape, ec_ref, eq_ref, query_tile, key_tile):
+    """The `[d, 2T]` rows of each expanded table (None when off) that a tile pair reads."""
     def rows(ref, sign):
-        if ref is None:
-            return None
-        return ref[:, pl.ds(pl.multiple_of((n - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)]
+        return None if ref is None else ref[:, _table_columns(shape, sign, query_tile, key_tile)]
     return rows(ec_ref, -1), rows(eq_ref, 1)
 
 
@@ -189,16 +191,13 @@ def _score_grad(shape: _Shape, q, k, v, ec, eq, real, key_tile, do, lse, delta):
     return p, jnp.where(real, p * (dp - _to_column(delta)), 0.0) / shape.divisor
 
 
-def _table_gradient(shape: _Shape, acc, grad, block, first, last, out):
-    """Add one tile pair's `[d, 2T]` table gradient into the head's whole-table float32 accumulator at `block`
-    (the columns `_table_rows` read), zeroed at the head's first step and written out at its last."""
-    t = shape.tile
-
+def _table_gradient(acc, grad, columns, first, last, out):
+    """Add one tile pair's `[d, 2T]` table gradient into the head's whole-table float32 accumulator at the
+    `columns` the pair read, zeroed at the head's first step and written out at its last."""
     @pl.when(first)
     def _():
         acc[...] = jnp.zeros_like(acc)
 
-    columns = pl.ds(pl.multiple_of(block * t, t), 2 * t)
     acc[:, columns] = acc[:, columns] + grad
 
     @pl.when(last)
@@ -232,8 +231,8 @@ def _dq_kernel(*refs, shape: _Shape):
     if shape.c2p:
         per_distance = _unskew(ds, shape.tile)
         dq = dq + _dot_t(per_distance.astype(ec_rows.dtype), ec_rows)
-        block = shape.num_tiles - 1 - (query_tile - key_tile)
-        _table_gradient(shape, rest[-1], _dot(q.T.astype(jnp.float32), per_distance), block, *_head_steps(), rest[1])
+        _table_gradient(rest[-1], _dot(q.T.astype(jnp.float32), per_distance),
+                        _table_columns(shape, -1, query_tile, key_tile), *_head_steps(), rest[1])
     dq_sc[...] += dq
 
     @pl.when(key_tile == pl.num_programs(3) - 1)
@@ -261,8 +260,8 @@ def _dkv_kernel(*refs, shape: _Shape):
     if shape.p2c:
         per_distance = _unskew(ds.T, shape.tile)
         dk = dk + _dot_t(per_distance.astype(eq_rows.dtype), eq_rows)
-        block = shape.num_tiles - 1 + (query_tile - key_tile)
-        _table_gradient(shape, rest[-1], _dot(k.T.astype(jnp.float32), per_distance), block, *_head_steps(), rest[2])
+        _table_gradient(rest[-1], _dot(k.T.astype(jnp.float32), per_distance),
+                        _table_columns(shape, 1, query_tile, key_tile), *_head_steps(), rest[2])
     dk_sc[...] += dk
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
