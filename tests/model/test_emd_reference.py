@@ -219,6 +219,13 @@ def test_emd_matches_official(emd_layers, share_att_key, relative_terms):
     assert err <= TOL, f"max |diff| {err:.2e} at real tokens"
 
 
+def test_emd_with_the_fused_tpu_kernel_matches_official():
+    """The fused TPU kernel (interpreted) under EMD's re-applied layer, with separate position projections."""
+    cfg = ModelConfig(**dict(BASE, emd_layers=2, share_att_key=False, attention_kernel="pallas_tpu"))
+    err = max_error(cfg)
+    assert err <= TOL, f"max |diff| {err:.2e} at real tokens"
+
+
 def test_encoder_without_emd_matches_official():
     """The same reference without EMD: a failure in the EMD cases alone then points at EMD itself."""
     err = max_error(ModelConfig(**dict(BASE, use_emd=False)))

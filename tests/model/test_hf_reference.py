@@ -102,14 +102,22 @@ def _compare(tmp_path, torch_model, lengths, **load_kw):
         assert err <= TOL, f"length {n}: max |diff| {err:.2e} at real tokens"
 
 
-@pytest.mark.parametrize("relative_terms", ["gather", "shift"])
-@pytest.mark.parametrize("name", sorted(DEBERTA_CASES))
-def test_deberta_v2_matches_transformers(tmp_path, name, relative_terms):
-    """Both ways of computing c2p / p2c (gathers on CPU, matrix products and a shift on TPU and GPU)."""
+# Every way of computing c2p / p2c: gathers (CPU), matrix products and a shift (dense kernel on TPU and GPU), and
+# the fused TPU kernel (interpreted here, slowly: on the cases that reach its distinct paths, each position term
+# alone, both, buckets to past max_relative_positions, and none).
+COMPUTATIONS = {"gather": dict(relative_terms="gather"), "shift": dict(relative_terms="shift"),
+                "pallas_tpu": dict(attention_kernel="pallas_tpu")}
+KERNEL_CASES = ("v3_long", "separate_pos_proj", "c2p_only", "p2c_only", "no_buckets")
+
+
+@pytest.mark.parametrize("name,computation", [(name, computation) for name in sorted(DEBERTA_CASES)
+                                              for computation in sorted(COMPUTATIONS)
+                                              if computation != "pallas_tpu" or name in KERNEL_CASES])
+def test_deberta_v2_matches_transformers(tmp_path, name, computation):
     config, lengths = DEBERTA_CASES[name]
     torch.manual_seed(0)
     _compare(tmp_path, transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(**config)), lengths,
-             relative_terms=relative_terms)
+             **COMPUTATIONS[computation])
 
 
 def test_bert_matches_transformers(tmp_path):
