@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -111,3 +112,14 @@ def files_after_kills(command: list[str], delays, watched, cwd=None) -> list[dic
             process.wait()
         seen.append({path.name: path.read_bytes() for path in watched.iterdir()})
     return seen
+
+
+def run_on_fake_devices(args: list[str], count: int = 8, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python *args` from the repository with `count` fake CPU devices (fixed when jax starts, hence a
+    process of its own); fails the test with the process's stderr when it fails."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -5,15 +5,11 @@ shardings `train.py` uses, against the same steps on a single device, on the sam
 gradient accumulation, so micro-batches are cut from a batch split over both mesh axes).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from configs import deberta
 from deberta_jax.train import config_checks
-from tests.helpers import REPO
+from tests.helpers import run_on_fake_devices
 
 SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
@@ -76,12 +72,7 @@ print("fsdp losses", fsdp_losses)
 
 @pytest.mark.slow
 def test_fsdp_on_eight_devices_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "fsdp losses" in result.stdout
+    assert "fsdp losses" in run_on_fake_devices(["-c", SCRIPT], timeout=300).stdout
 
 
 def test_fsdp_must_divide_the_device_count():

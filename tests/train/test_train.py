@@ -6,11 +6,8 @@ with a 400-token tokenizer, so each in-process run takes a few seconds.
 """
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import jax
@@ -27,7 +24,7 @@ from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SpecialIds
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.train import checkpoint, metrics_io, optim, steps
-from tests.helpers import REPO, write_brown_slices
+from tests.helpers import run_on_fake_devices, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every test trains or reloads micro runs
 
@@ -84,13 +81,9 @@ def test_resume_equals_straight_run(corpus, straight_run, tmp_path):
 
 def test_eight_devices_match_one(corpus, straight_run, tmp_path):
     """Same global batch split over 8 fake CPU devices: same losses and parameters to float tolerance."""
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
     flags = [f"--config.{k}={v}" for k, v in overrides(corpus).items()]
-    result = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path), *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_on_fake_devices(
+        ["train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path), *flags], timeout=300)
     assert "8 devices over 1 processes" in result.stderr
     eight, one = train_losses(tmp_path), train_losses(straight_run)
     assert sorted(eight) == sorted(one)
