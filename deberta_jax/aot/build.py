@@ -19,7 +19,7 @@ from ml_collections import config_dict
 
 from deberta_jax.aot import analysis
 from deberta_jax.aot.chips import GIB, TpuSlice
-from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.config import BIAS_VARIANTS, ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, scoring
 from deberta_jax.train import config_checks, sharding, steps
@@ -149,7 +149,7 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
         hints.append(f"--config.train.batch_size={rows // 2} (now {rows}; evaluation batches have the training "
                      "batch's size).")
         return hints
-    if config.model.attention_kernel != "pallas_tpu" and config.model.attention not in ("alibi", "t5_bias"):
+    if config.model.attention_kernel != "pallas_tpu" and config.model.attention not in BIAS_VARIANTS:
         hints.append("--config.model.attention_kernel=pallas_tpu (with --config.model.attention_dropout=0): the fused "
                      "TPU kernel keeps no [B, H, N, N] scores or probabilities for the backward pass.")
     remat = config.model.remat

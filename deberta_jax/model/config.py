@@ -14,6 +14,8 @@ from typing import Any
 from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
+# The variants that add a bias per distance to the scores, which the fused TPU kernel does not implement.
+BIAS_VARIANTS = ("alibi", "t5_bias")
 ATTENTION_KERNELS = KERNELS
 ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
 POS_ATT_TYPES = ("c2p", "p2c")
@@ -289,7 +291,7 @@ class ModelConfig:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
-        if self.attention_kernel == "pallas_tpu" and self.attention in ("alibi", "t5_bias"):
+        if self.attention_kernel == "pallas_tpu" and self.attention in BIAS_VARIANTS:
             _fail("attention_kernel", self.attention_kernel,
                   f"the TPU kernel has no per-distance bias, which attention={self.attention!r} adds; use "
                   "attention_kernel='dense' or 'blockwise'")
