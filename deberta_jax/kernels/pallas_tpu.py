@@ -47,7 +47,7 @@ TILE = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shape:
+class KernelShape:
     """What every kernel of one call shares (static)."""
 
     length: int  # real queries = keys
@@ -65,14 +65,14 @@ class _Shape:
         return self.num_tiles * self.tile
 
 
-def expand_tables(by_distance: np.ndarray, length: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
+def expand_tables(by_distance: np.ndarray, shape: KernelShape) -> tuple[np.ndarray, np.ndarray]:
     """Row indices into the relative table for the two expanded layouts, `2 * padded` rows each.
 
     Forward layout (position queries): row `r` is distance `r - (padded - 1)`. Reversed layout (position keys):
     row `r` is distance `padded - 1 - r`. `by_distance` is `scores.distances(length, length)` order; distances
     that only padding positions reach repeat the nearest real one (their scores are masked).
     """
-    padded = -(-length // tile) * tile
+    length, padded = shape.length, shape.padded
     rows = np.arange(2 * padded)
     forward = np.clip(rows - (padded - 1), -(length - 1), length - 1) + length - 1
     reverse = np.clip(padded - 1 - rows, -(length - 1), length - 1) + length - 1
@@ -107,7 +107,7 @@ def _unskew(grad, tile: int):
     return jnp.concatenate(halves, axis=1)
 
 
-def _scores(shape: _Shape, q, k, ec, eq, real, key_tile):
+def _scores(shape: KernelShape, q, k, ec, eq, real, key_tile):
     """Masked float32 scores `[T, T]` of one tile; `ec` / `eq` are its `[d, 2T]` expanded rows (or None)."""
     t = shape.tile
     raw = _dot_t(q, k)
@@ -132,7 +132,7 @@ def _to_column(row):
     return jnp.broadcast_to(row, (t, t)).T[:, :1]
 
 
-def _table_columns(shape: _Shape, sign: int, query_tile, key_tile):
+def _table_columns(shape: KernelShape, sign: int, query_tile, key_tile):
     """The `2T` columns of an expanded table that tile pair (query_tile, key_tile) reads: from block
     `n - 1 - (i - j)` in the reversed layout (c2p, `sign` -1), `n - 1 + (i - j)` in the forward one (p2c, +1).
     Aligned to the tile, so a slice of the head's table (resident in VMEM) is a plain load or store."""
@@ -140,14 +140,14 @@ def _table_columns(shape: _Shape, sign: int, query_tile, key_tile):
     return pl.ds(pl.multiple_of((shape.num_tiles - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)
 
 
-def _table_rows(shape: _Shape, ec_ref, eq_ref, query_tile, key_tile):
+def _table_rows(shape: KernelShape, ec_ref, eq_ref, query_tile, key_tile):
     """The `[d, 2T]` rows of each expanded table (None when off) that a tile pair reads."""
     def rows(ref, sign):
         return None if ref is None else ref[:, _table_columns(shape, sign, query_tile, key_tile)]
     return rows(ec_ref, -1), rows(eq_ref, 1)
 
 
-def _split_refs(refs, shape: _Shape, count: int):
+def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, then c2p's table and p2c's (None when off), then the rest."""
     refs = list(refs)
     head, refs = refs[:count], refs[count:]
@@ -157,7 +157,7 @@ def _split_refs(refs, shape: _Shape, count: int):
 
 
 # ------------------------------------------------------------------------------------------------- forward
-def _forward_kernel(*refs, shape: _Shape):
+def _forward_kernel(*refs, shape: KernelShape):
     (q_ref, k_ref, v_ref, mask_ref), ec, eq, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
     query_tile, key_tile = pl.program_id(2), pl.program_id(3)
 
@@ -184,7 +184,7 @@ def _forward_kernel(*refs, shape: _Shape):
 
 
 # ------------------------------------------------------------------------------------------------ backward
-def _score_grad(shape: _Shape, q, k, v, ec, eq, real, key_tile, do, lse, delta):
+def _score_grad(shape: KernelShape, q, k, v, ec, eq, real, key_tile, do, lse, delta):
     """Probabilities and the gradient of the raw score sum `q.k + c2p + p2c` of one tile (masked keys get none)."""
     p = jnp.exp(_scores(shape, q, k, ec, eq, real, key_tile) - _to_column(lse))
     dp = _dot_t(do, v)
@@ -213,7 +213,7 @@ def _head_steps():
     return first, last
 
 
-def _dq_kernel(*refs, shape: _Shape):
+def _dq_kernel(*refs, shape: KernelShape):
     """Grid (head, sequence, query tile, key tile): dq over key tiles, and c2p's table gradient over the head."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
     dq_ref, dq_sc = rest[0], rest[1 + shape.c2p]
@@ -240,7 +240,7 @@ def _dq_kernel(*refs, shape: _Shape):
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, shape: _Shape):
+def _dkv_kernel(*refs, shape: KernelShape):
     """Grid (head, sequence, key tile, query tile): dk and dv over query tiles, and p2c's table gradient."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
     dk_ref, dv_ref = rest[:2]
@@ -279,7 +279,7 @@ _EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 4
                    "_dkv_kernel": lambda s: 3 + 4 * s.p2c}
 
 
-def _cost(kernel, shape: _Shape, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
+def _cost(kernel, shape: KernelShape, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
     products of every tile pair (scores: q.k plus `[T, d] x [d, 2T]` per position term), one exp per score, and
     the bytes the grid moves: blocks of the `resident` side (the one fixed along the innermost grid axis) once,
@@ -296,7 +296,7 @@ def _cost(kernel, shape: _Shape, inputs, tables, resident: str | None, out_shape
                            bytes_accessed=streamed + written)
 
 
-def _call(kernel, shape: _Shape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics,
+def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics,
           resident: str | None, order=lambda *g: g):
     """One pallas_call over `grid`: `order(*grid point)` is its (sequence, head, x, y) and `tiles(x, y)` its
     (query tile, key tile), which per-token inputs follow (q-side or k-side); `resident` is the side whose tile the
@@ -344,26 +344,26 @@ _TOKEN_Q, _TOKEN_K, _ROW_Q, _MASK = ("token", "q"), ("token", "k"), ("row", "q")
 _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensionSemantics.ARBITRARY
 
 
-def _tables(shape: _Shape, ec, eq):
+def _tables(shape: KernelShape, ec, eq):
     return [x for x, on in ((ec, shape.c2p), (eq, shape.p2c)) if on]
 
 
-def _forward(shape: _Shape, q, k, v, mask, ec, eq):
+def _forward(shape: KernelShape, q, k, v, mask, ec, eq):
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
-    token = lambda: pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0))  # noqa: E731
     out, lse = _call(
         _forward_kernel, shape, (b, h, n, n), lambda i, j: (i, j),
         ((q, k, v, mask), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK)), _tables(shape, ec, eq),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, n_pad), jnp.float32)],
-        [token(), pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
+        [pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0)),
+         pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
         [pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, d), jnp.float32)],
         (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY), resident="q")
     return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(shape: _Shape, q, k, v, mask, ec, eq):
+def _attention(shape: KernelShape, q, k, v, mask, ec, eq):
     return _forward(shape, q, k, v, mask, ec, eq)[0]
 
 
@@ -372,7 +372,7 @@ def _attention_fwd(shape, q, k, v, mask, ec, eq):
     return out, (q, k, v, mask, ec, eq, out, lse)
 
 
-def _attention_bwd(shape: _Shape, residuals, d_out):
+def _attention_bwd(shape: KernelShape, residuals, d_out):
     q, k, v, mask, ec, eq, out, lse = residuals
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
@@ -432,7 +432,7 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     if k.shape[-2] != length:
         raise ValueError(f"attention_kernel='pallas_tpu' is self-attention: {length} queries but {k.shape[-2]} keys")
     relative = terms.relative is not None
-    shape = _Shape(length, tile, terms.divisor, relative and terms.pos_key is not None,
+    shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
                    relative and terms.pos_query is not None)
     pad = shape.padded - length
 
@@ -441,7 +441,7 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
 
     ec = eq = None
     if shape.c2p or shape.p2c:
-        forward, reverse = expand_tables(terms.relative.by_distance, length, tile)
+        forward, reverse = expand_tables(terms.relative.by_distance, shape)
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
         ec = jnp.swapaxes(terms.pos_key[:, reverse], 1, 2) if shape.c2p else None
         eq = jnp.swapaxes(terms.pos_query[:, forward], 1, 2) if shape.p2c else None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deberta_jax.kernels.dense import dense_attention
-from deberta_jax.kernels.pallas_tpu import expand_tables, pallas_tpu_attention
+from deberta_jax.kernels.pallas_tpu import KernelShape, expand_tables, pallas_tpu_attention
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances
 from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
@@ -86,7 +86,7 @@ def test_expanded_tables_read_every_distance_in_place():
     only padding reaches repeat the outermost real one."""
     n, tile = 5, 4
     by_distance = np.arange(2 * n - 1) * 10  # entry = 10 * (distance + n - 1)
-    forward, reverse = expand_tables(by_distance, n, tile)
+    forward, reverse = expand_tables(by_distance, KernelShape(n, tile, divisor=1.0, c2p=True, p2c=True))
     padded = 8
     dist = np.clip(np.arange(2 * padded) - (padded - 1), -(n - 1), n - 1)
     np.testing.assert_array_equal(forward, (dist + n - 1) * 10)
