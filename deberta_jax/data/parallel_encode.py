@@ -263,8 +263,13 @@ def _serve() -> None:
             documents = pickle.load(source)
         except EOFError:
             return
-        pickle.dump(encoder(documents), out, protocol=pickle.HIGHEST_PROTOCOL)
-        out.flush()
+        try:
+            pickle.dump(encoder(documents), out, protocol=pickle.HIGHEST_PROTOCOL)
+            out.flush()
+        except BrokenPipeError:
+            # The parent stopped reading (interrupted, or gone): end now, without a traceback on its terminal and
+            # without the interpreter flushing the dead pipe again at exit.
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ the tokenizer, bounded memory, atomic and race-safe preparation, lazy reading of
 import itertools
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -133,6 +134,20 @@ def test_parallel_tokenization_equals_the_tokenizer(tmp_path, corpus, documents,
     rows = load_or_pack(str(corpus), tokenizer, 32, tmp_path / "cache", workers=2)
     assert len(started) == 2 and all(worker.process.returncode == 0 for worker in started)  # ended cleanly
     assert_same_rows(rows.take(np.arange(rows.num_rows)), old_pack_documents(documents, tokenizer, 32))
+
+
+def test_worker_whose_reader_is_gone_exits_quietly(tokenizer, documents):
+    """Ctrl-C stops the parent reading while a worker is still writing: the worker ends at once, with no
+    BrokenPipeError traceback on the terminal the two share."""
+    env = dict(os.environ, PYTHONPATH=str(Path(parallel_encode.__file__).resolve().parents[2]))
+    worker = subprocess.Popen([sys.executable, "-m", "deberta_jax.data.parallel_encode"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    worker.stdout.close()  # the parent stops reading
+    for message in ((tokenizer.to_str(), 3, np.dtype(np.int32).str), documents[:50]):
+        pickle.dump(message, worker.stdin)
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 0
+    assert worker.stderr.read() == b""
 
 
 def adversarial_documents(seed: int) -> list[str]:
