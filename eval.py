@@ -9,6 +9,8 @@ Each model is scored at multiples of its own training length L (1x, 2x, 4x, 8x) 
 Models with a learned absolute table get one set of rows per `--policies` entry (positions past L);
 combinations a policy refuses are listed under "Not evaluated" rather than given a value.
 
+Workdirs, checkpoints, data files and --out may be in a bucket (`gs://bucket/...`), as on a TPU pod's hosts.
+
 Writes to --out: results.json.gz (every record, long format; `report.load_results` reads it), summary.md (also
 printed), and PNG plots.
 Runs whose configs differ only in seed share a label; their mean and 95% interval are reported.
@@ -21,12 +23,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from typing import NoReturn
 
 import jax
 from absl import app, flags
 
+from deberta_jax import storage
 from deberta_jax.data import errors, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
@@ -37,16 +39,17 @@ from deberta_jax.train import checkpoint, sharding
 FLAGS = flags.FLAGS
 _DEFAULTS = length_study.StudySettings()  # every study default is defined there, once
 _csv = lambda values: [str(v) for v in values]  # noqa: E731
-flags.DEFINE_multi_string("workdir", [],
-                          "Training workdir(s) to evaluate (config, tokenizer and checkpoint are read there).")
-flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories to evaluate: "
+flags.DEFINE_multi_string("workdir", [], "Training workdir(s) to evaluate, local or gs://bucket/... (config, "
+                          "tokenizer and checkpoint are read there).")
+flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained directories to evaluate, local or "
+                          "gs://bucket/...: "
                           "model.safetensors and config.json, with tokenizer.json or, as published checkpoints ship "
                           "it, DeBERTa's spm.model or BERT's vocab.txt (converted by transformers).")
 flags.DEFINE_string("checkpoint", "latest",
                     "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
-flags.DEFINE_multi_string("data_files", [], "Eval text: local files (comma-separated/globs), "
+flags.DEFINE_multi_string("data_files", [], "Eval text: files, local or gs://bucket/... (comma-separated/globs), "
                           "hf:NAME[:CONFIG][:SPLIT] or synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")
-flags.DEFINE_string("out", None, "Output directory.")
+flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
 flags.DEFINE_list("lengths", _csv(_DEFAULTS.lengths),
                   "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
 flags.DEFINE_list("multiples", _csv(_DEFAULTS.multiples), "Multiples of the training length L.")
@@ -117,13 +120,12 @@ def dataset_specs(data_files: list[str]) -> dict[str, str]:
 
 
 def check_writable(out: str) -> None:
-    """Fails at start-up, not after the whole evaluation, when --out cannot be written."""
+    """Fails at start-up, not after the whole evaluation, when --out (a folder or `gs://bucket/...`) cannot be
+    written."""
     try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
+        storage.check_writable(out, "--out")
     except OSError as err:
-        usage_error(f"--out={out} is not writable ({err.strerror}); choose another directory")
+        usage_error(str(err))
 
 
 def _ints(flag: str) -> tuple[int, ...]:

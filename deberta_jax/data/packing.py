@@ -29,6 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from deberta_jax import storage
 from deberta_jax.data import parallel_encode, store, synthetic
 from deberta_jax.data.text import is_hf_spec, iter_documents, resolve_files
 from deberta_jax.data.tokenizer import CONTINUATION_PREFIX, SpecialIds
@@ -192,12 +193,13 @@ def pack_documents(documents: Iterable[str], tokenizer: Tokenizer, seq_len: int)
 
 def source_fingerprint(spec: str) -> object:
     """What identifies the input text: the spec itself for Hub data, the canonical spec and generator version
-    for synthetic data, else each file's path, size and mtime."""
+    for synthetic data, else each file's `storage.identity` (locally its resolved path, size and mtime; in a
+    bucket its URL, size and generation, which every write of the object changes)."""
     if synthetic.is_synthetic_spec(spec):
         return {"synthetic": synthetic.canonical_spec(spec), "generator": synthetic.GENERATOR_VERSION}
     if is_hf_spec(spec):
         return {"hf": spec}
-    return [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in resolve_files(spec)]
+    return [storage.identity(path) for path in resolve_files(spec)]
 
 
 def cache_path(spec: str, tokenizer: Tokenizer, cache_dir: str | Path) -> Path:

@@ -1,11 +1,12 @@
-"""Reading corpora into whole documents, from local text files or the Hugging Face Hub.
+"""Reading corpora into whole documents, from text files (local or in a bucket) or the Hugging Face Hub.
 
 A document is one string whose paragraphs are joined by newlines. Document boundaries are
 kept because packing puts a `[SEP]` between documents. `iter_documents` reads lazily (files line
 by line, Hub datasets streamed), so a corpus larger than memory, or than the disk for Hub data,
 can be tokenized in one pass; `load_documents` is the same documents as a list, for small texts.
 
-Local files come in two layouts, told apart by their first non-blank line:
+Text files, local or in object storage (`gs://bucket/corpus/*.txt`), come in two layouts, told apart by their
+first non-blank line:
   * Brown style: one paragraph per line, documents separated by a blank line.
   * WikiText style (first line is a top-level heading ` = Title = `): every top-level heading
     starts a new article; blank lines are dropped and heading lines are kept verbatim
@@ -19,15 +20,14 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import glob
 import itertools
 import os
 import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
+from deberta_jax import storage
 from deberta_jax.data import synthetic
 
 HF_PREFIX = "hf:"
@@ -48,8 +48,9 @@ def is_hf_spec(spec: str) -> bool:
     return spec.startswith(HF_PREFIX)
 
 
-def resolve_files(spec: str) -> list[Path]:
-    """Expands a comma-separated list of paths and globs into files, in the order given.
+def resolve_files(spec: str) -> list[storage.AnyPath]:
+    """Expands a comma-separated list of paths and globs, local or in object storage (`gs://bucket/corpus/*.txt`),
+    into files, in the order given.
 
     Glob matches are sorted so the document order (and hence the packed data) never depends on
     the file system's listing order. A part that names an existing path is taken literally even if it
@@ -58,15 +59,18 @@ def resolve_files(spec: str) -> list[Path]:
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if not parts:
         raise ValueError(f"data spec {spec!r} names no files; give paths or globs, e.g. {LOCAL_FILES_EXAMPLE!r}")
-    files: list[Path] = []
+    files: list[storage.AnyPath] = []
     for part in parts:
-        if any(ch in part for ch in "*?[") and not Path(part).exists():  # an existing path is literal: train[1].txt
-            matches = sorted(Path(p) for p in glob.glob(part, recursive=True) if Path(p).is_file())
+        path = storage.path(part)
+        if any(ch in part for ch in "*?[") and not path.exists():  # an existing path is literal: train[1].txt
+            try:
+                matches = sorted(storage.path(p) for p in storage.glob(part))
+            except FileNotFoundError:  # a bucket that does not exist
+                matches = []
             if not matches:
                 raise FileNotFoundError(_missing_message(spec, part, "glob matched no files"))
             files.extend(matches)
         else:
-            path = Path(part)
             if path.is_dir():
                 raise ValueError(f"data spec {spec!r}: {part} is a directory; use a glob such as {part}/*.txt")
             if not path.is_file():
@@ -76,24 +80,22 @@ def resolve_files(spec: str) -> list[Path]:
 
 
 def _missing_message(spec: str, part: str, what: str) -> str:
-    return (
-        f"data spec {spec!r}: {part}: {what} (relative paths are resolved from {os.getcwd()}); "
-        f"give existing text files or globs, e.g. {LOCAL_FILES_EXAMPLE!r}"
-    )
+    where = "" if storage.is_remote(part) else f" (relative paths are resolved from {os.getcwd()})"
+    return f"data spec {spec!r}: {part}: {what}{where}; give existing text files or globs, e.g. {LOCAL_FILES_EXAMPLE!r}"
 
 
-def read_lines(path: Path) -> Iterator[str]:
-    """The lines of a UTF-8 text file, split at "\\n" only and read one at a time (memory does not grow with
-    the file); rejects undecodable bytes (naming the first, and UTF-16 by its byte-order mark), NUL bytes, lines
-    longer than `MAX_LINE_BYTES` (a document that large would take gigabytes to tokenize), old Mac files whose
-    lines end in "\\r" alone (which would otherwise be one document), and files with no text.
+def read_lines(path: storage.AnyPath) -> Iterator[str]:
+    """The lines of a UTF-8 text file (local or in object storage), split at "\\n" only and read one at a time
+    (memory does not grow with the file); rejects undecodable bytes (naming the first, and UTF-16 by its byte-order
+    mark), NUL bytes, lines longer than `MAX_LINE_BYTES` (a document that large would take gigabytes to tokenize),
+    old Mac files whose lines end in "\\r" alone (which would otherwise be one document), and files with no text.
 
     The checks run as the lines are read, so a bad file fails after its good lines were yielded: callers that
     must not keep partial results (the packed-token cache) only commit once the whole file was read.
     """
     offset = chars = 0  # bytes and characters before the current line
     has_text = False
-    with open(path, "rb") as f:
+    with storage.reader(path) as f:
         while raw := f.readline(MAX_LINE_BYTES + 1):  # lines end at b"\\n" alone, as str.split("\\n") cuts them
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
                 raise ValueError(_long_line_message(path, offset, raw))
@@ -120,7 +122,7 @@ def read_lines(path: Path) -> Iterator[str]:
         raise ValueError(f"{path} is empty (no text besides whitespace); remove it from the data spec")
 
 
-def _decode_message(path: Path, position: int, reason: str, raw: bytes, offset: int) -> str:
+def _decode_message(path: storage.AnyPath, position: int, reason: str, raw: bytes, offset: int) -> str:
     if offset == 0 and raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return (f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; convert it first, e.g. "
                 f"`iconv -f UTF-16 -t UTF-8 {path} > {path.stem}.utf8.txt`")
@@ -128,7 +130,7 @@ def _decode_message(path: Path, position: int, reason: str, raw: bytes, offset: 
             f"`iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8.txt` if it is Latin-1")
 
 
-def _long_line_message(path: Path, offset: int, raw: bytes) -> str:
+def _long_line_message(path: storage.AnyPath, offset: int, raw: bytes) -> str:
     if b"\r" in raw:
         return (f"{path} has no newline in its first {MAX_LINE_BYTES // 2**20} MiB after byte {offset} but carriage "
                 f"returns: old Mac line endings; convert it first, e.g. `tr '\\r' '\\n' < {path} > "
@@ -180,8 +182,8 @@ def _wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
 
 
 def iter_documents(spec: str) -> Iterator[str]:
-    """The documents named by `spec`, read lazily: local files/globs (comma-separated), `hf:NAME[:CONFIG][:SPLIT]`
-    (streamed from the Hub) or `synthetic:TASK[:SPLIT][:PARAMS]`.
+    """The documents named by `spec`, read lazily: files/globs (comma-separated, local or `gs://...`),
+    `hf:NAME[:CONFIG][:SPLIT]` (streamed from the Hub) or `synthetic:TASK[:SPLIT][:PARAMS]`.
 
     The spec is checked now (missing files, bad Hub spec, unreachable Hub); the text is read as the result is
     iterated, and a spec that yields no document raises at the end.

@@ -16,13 +16,16 @@ import warnings
 
 from absl import app, flags, logging
 
+from deberta_jax import storage
 from deberta_jax.data import errors
 from deberta_jax.export import writer
 from deberta_jax.model import hf
 from deberta_jax.train import checkpoint
 
-flags.DEFINE_string("workdir", None, "Training workdir to export (its config.json, tokenizer.json and checkpoints).")
-flags.DEFINE_string("out", None, "Directory to write: new, empty, or an earlier export of the same files.")
+flags.DEFINE_string("workdir", None, "Training workdir to export (its config.json, tokenizer.json and checkpoints), "
+                    "local or gs://bucket/...")
+flags.DEFINE_string("out", None, "Directory to write, local or gs://bucket/...: new, empty, or an earlier export of "
+                    "the same files.")
 flags.DEFINE_string("checkpoint", "latest", "Which checkpoint: 'latest', 'best' (lowest eval loss) or a step.")
 flags.mark_flags_as_required(["workdir", "out"])
 FLAGS = flags.FLAGS
@@ -36,7 +39,8 @@ def main(argv):
         notes = writer.export_workdir(FLAGS.workdir, FLAGS.out, step)
     for note in notes:
         logging.warning("%s", note)
-    print(f"wrote {', '.join(writer.EXPORTED_FILES)} to {os.path.abspath(FLAGS.out)}; load them with "
+    where = FLAGS.out if storage.is_remote(FLAGS.out) else os.path.abspath(FLAGS.out)
+    print(f"wrote {', '.join(writer.EXPORTED_FILES)} to {where}; load them with "
           f"transformers.AutoModelForMaskedLM.from_pretrained(path) and AutoTokenizer.from_pretrained(path)")
 
 

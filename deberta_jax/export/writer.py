@@ -11,14 +11,16 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from deberta_jax.data import atomic
+from deberta_jax import storage
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.model import hf
 from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.storage import atomic
 from deberta_jax.train import checkpoint
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -45,8 +47,11 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike, *, model_max_l
 
 def check_out_dir(out: str | os.PathLike) -> None:
     """Refuses a directory holding files an export does not write (another checkpoint's `pytorch_model.bin` or
-    `spm.model` beside ours would be read in place of, or mixed with, the exported files)."""
-    out = Path(out)
+    `spm.model` beside ours would be read in place of, or mixed with, the exported files), and a bucket that
+    cannot be written, before the model is loaded."""
+    out = storage.path(out)
+    if storage.is_remote(out):  # a local folder is made by the export itself, and only when it succeeds
+        storage.check_writable(out, "--out")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out={out} is a file; name a directory")
     foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORTED_FILES) if out.is_dir() else []
@@ -60,16 +65,21 @@ def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) 
     (`hf.export_differences`, also warned). Raises `hf.ExportError` naming any field transformers lacks.
 
     The files are written to a temporary directory beside `out` and renamed into it once all are complete, so a
-    killed export leaves `out` as it was; the next export removes what a killed one left (`atomic`).
+    killed export leaves `out` as it was; the next export removes what a killed one left (`atomic`). For `out` in a
+    bucket they are written to a local temporary directory and then uploaded, each file whole: a killed upload
+    may leave some files of an earlier export beside new ones, which the next export replaces.
     """
     check_out_dir(out)
-    out, cfg = Path(out), model.cfg
+    out = storage.path(out)
+    if storage.is_remote(out):
+        with tempfile.TemporaryDirectory(prefix="deberta-jax-export-") as staging:
+            notes = _write(model, tokenizer, Path(staging))
+            storage.upload_tree(staging, out)
+        return notes
     atomic.remove_abandoned(out)
     staging = atomic.temporary(out)
     try:
-        notes = hf.save(model, staging, pad_token_id=SpecialIds.from_tokenizer(tokenizer).pad)
-        save_tokenizer(tokenizer, staging, model_max_length=cfg.max_position_embeddings,
-                       token_types=cfg.type_vocab_size > 0)
+        notes = _write(model, tokenizer, staging)
         out.mkdir(parents=True, exist_ok=True)
         for name in EXPORTED_FILES:
             os.replace(staging / name, out / name)
@@ -78,7 +88,17 @@ def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) 
     return notes
 
 
+def _write(model: MaskedLM, tokenizer: Tokenizer, folder: Path) -> list[str]:
+    """The exported files in local `folder`; returns `hf.save`'s notes."""
+    notes = hf.save(model, folder, pad_token_id=SpecialIds.from_tokenizer(tokenizer).pad)
+    save_tokenizer(tokenizer, folder, model_max_length=model.cfg.max_position_embeddings,
+                   token_types=model.cfg.type_vocab_size > 0)
+    return notes
+
+
 def export_workdir(workdir: str | os.PathLike, out: str | os.PathLike, step: int | str | None = None) -> list[str]:
-    """Export a training workdir's checkpoint (`step` as in `checkpoint.load_workdir`) to `out`."""
+    """Export a training workdir's checkpoint (`step` as in `checkpoint.load_workdir`) to `out`; either may be in a
+    bucket. `out` is checked before the model is loaded."""
+    check_out_dir(out)
     _, model, tokenizer = checkpoint.load_workdir(workdir, step)
     return export_model(model, tokenizer, out)

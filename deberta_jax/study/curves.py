@@ -22,6 +22,7 @@ import os
 import pandas as pd
 from absl import app, flags
 
+from deberta_jax import storage
 from deberta_jax.data import errors, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
@@ -73,16 +74,16 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
 
 
 def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = DEFAULT_MARGIN) -> str:
-    """Writes the table, JSON and plot for `{label: workdir}`; returns the Markdown."""
+    """Writes the table, JSON and plot for `{label: workdir}` to `out_dir` (a folder or `gs://bucket/...`); returns
+    the Markdown."""
     check_same_batches(workdirs)
     first = next(iter(workdirs.values()))
     floor = unigram_floor(first)
     curves = {label: eval_curve(w) for label, w in workdirs.items()}
     exits = {label: plateau_exit(c, floor, margin) for label, c in curves.items()}
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "curves.json"), "w") as f:
-        json.dump(dict(unigram_floor=floor, margin=margin, exits=exits, workdirs=workdirs,
-                       curves={k: {str(s): v for s, v in c.items()} for k, c in curves.items()}), f, indent=1)
+    storage.write_text(os.path.join(out_dir, "curves.json"), json.dumps(dict(
+        unigram_floor=floor, margin=margin, exits=exits, workdirs=workdirs,
+        curves={k: {str(s): v for s, v in c.items()} for k, c in curves.items()}), indent=1))
     config = checkpoint.read_config(first)
     lines = ["# Eval loss by training step", "",
              f"Same batches for every run (seed {config.seed}, {config.train.batch_size} x {config.data.seq_len} "
@@ -91,8 +92,7 @@ def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = 
              "nats below it.",
              "", curve_tables(curves, floor, exits)]
     markdown = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "curves.md"), "w") as f:
-        f.write(markdown)
+    storage.write_text(os.path.join(out_dir, "curves.md"), markdown)
     plot_by_step(curves, [(floor, "--", "unigram floor"), (floor - margin, ":", f"floor - {margin:g} (plateau exit)")],
                  "eval masked-token loss (nats)", "Where each position scheme leaves the unigram plateau",
                  os.path.join(out_dir, "eval_loss_vs_step.png"))
@@ -114,7 +114,7 @@ def curve_tables(curves: dict[str, dict[int, float]], floor: float, exits: dict[
 def plot_by_step(lines: dict[str, dict[int, float]], levels: list[tuple[float, str, str | None]], ylabel: str,
                  title: str, path: str) -> None:
     """One line per `{label: {step: value}}` against training step, and a horizontal line per `(y, style, label)`
-    of `levels`; written to `path`."""
+    of `levels`; written whole to `path` (a PNG, local or in a bucket)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,7 +131,8 @@ def plot_by_step(lines: dict[str, dict[int, float]], levels: list[tuple[float, s
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with storage.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -141,7 +142,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
     flags.DEFINE_multi_string("workdir", [], "LABEL=WORKDIR of a run; repeat. The first run's data gives the floor.")
-    flags.DEFINE_string("out", None, "Output directory.")
+    flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
     flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the unigram floor that count as leaving the plateau.")
 
 

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from deberta_jax import storage
 from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.kernels import dense
@@ -81,21 +82,22 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
 
 
 def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
-    """A transformers `save_pretrained` directory as an `EvalModel`: weights from `model.safetensors`, the
-    tokenizer from `tokenizer.json` or converted from the `spm.model` / `vocab.txt` published checkpoints ship
-    (`hf.load_tokenizer`), so its special tokens and [MASK] id are the checkpoint's own.
+    """A transformers `save_pretrained` directory (local or in a bucket) as an `EvalModel`: weights from
+    `model.safetensors`, the tokenizer from `tokenizer.json` or converted from the `spm.model` / `vocab.txt`
+    published checkpoints ship (`hf.load_tokenizer`), so its special tokens and [MASK] id are the checkpoint's own.
 
     Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past
     training are the point here; its training length is taken to be `max_position_embeddings` (512 for
     published models).
     """
-    tokenizer = hf.load_tokenizer(path)
-    missing = [token for token in SPECIAL_TOKENS if tokenizer.token_to_id(token) is None]
-    if missing:
-        raise ValueError(f"the tokenizer in {path} has no {', '.join(missing)}: the study needs "
-                         f"{', '.join(SPECIAL_TOKENS)} (BERT's and DeBERTa's spellings); checkpoints with other "
-                         "special tokens (e.g. RoBERTa's <mask>) are not supported")
-    model = hf.load(path, **{"clamp_relative_positions": True, **overrides})
+    with storage.local_copy(path) as local:  # transformers' tokenizer conversion reads local files only
+        tokenizer = hf.load_tokenizer(local)
+        missing = [token for token in SPECIAL_TOKENS if tokenizer.token_to_id(token) is None]
+        if missing:
+            raise ValueError(f"the tokenizer in {path} has no {', '.join(missing)}: the study needs "
+                             f"{', '.join(SPECIAL_TOKENS)} (BERT's and DeBERTa's spellings); checkpoints with other "
+                             "special tokens (e.g. RoBERTa's <mask>) are not supported")
+        model = hf.load(local, **{"clamp_relative_positions": True, **overrides})
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer in {path} has {tokenizer.get_vocab_size()} tokens but the model has only "
                          f"vocab_size={model.cfg.vocab_size} embedding rows: they do not belong together")

@@ -25,7 +25,7 @@ import pandas as pd
 from absl import app
 from scipy import stats
 
-from deberta_jax.data.atomic import replacing
+from deberta_jax import storage
 from deberta_jax.study import protocols
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
@@ -64,17 +64,17 @@ def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
 
 
 def read_results_file(path: str | os.PathLike) -> dict:
-    """The results file written by `eval.py` or the sweep (or the directory holding it): `{"records", "skipped",
-    "notes"}`. Reads the uncompressed `results.json` of older reports too."""
-    file = os.fspath(path)
-    if os.path.isdir(file):
-        file = next((os.path.join(file, name) for name in (RESULTS_FILE, "results.json")
-                     if os.path.isfile(os.path.join(file, name))), os.path.join(file, RESULTS_FILE))
-    if not os.path.isfile(file):
+    """The results file written by `eval.py` or the sweep (or the directory holding it), local or in a bucket:
+    `{"records", "skipped", "notes"}`. Reads the uncompressed `results.json` of older reports too."""
+    file = storage.path(path)
+    if file.is_dir():
+        file = next((file / name for name in (RESULTS_FILE, "results.json") if (file / name).is_file()),
+                    file / RESULTS_FILE)
+    if not file.is_file():
         raise FileNotFoundError(f"{file} not found: pass a {RESULTS_FILE} written by eval.py or the sweep, "
                                 "or the directory holding it (eval.py's --out)")
-    with (gzip.open if file.endswith(".gz") else open)(file, "rt") as f:
-        data = json.load(f)
+    content = storage.read_bytes(file)
+    data = json.loads(gzip.decompress(content) if file.name.endswith(".gz") else content)
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise ValueError(f"{file} is not a results file: it needs a 'records' list, as eval.py and the sweep write")
     return dict(records=data["records"], skipped=data.get("skipped", []), notes=data.get("notes", []))
@@ -180,16 +180,16 @@ def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict
     results give the same bytes."""
     frame = records_frame(records)
     check_finite(frame)
-    os.makedirs(out_dir, exist_ok=True)
     content = {"records": _json_rows(frame), "skipped": list(skipped), "notes": list(notes)}
-    with replacing(os.path.join(out_dir, RESULTS_FILE)) as tmp, open(tmp, "wb") as raw:
+    with storage.replacing(os.path.join(out_dir, RESULTS_FILE)) as tmp, open(tmp, "wb") as raw:
         with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
             f.write(json.dumps(content, separators=(",", ":")).encode())
 
 
 def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
                  notes: Sequence[str] = ()) -> tuple[pd.DataFrame, str, list[str]]:
-    """Per-seed records -> results files, `summary.md` (with `notes` as warnings at its top) and plots in `out_dir`.
+    """Per-seed records -> results files, `summary.md` (with `notes` as warnings at its top) and plots in `out_dir`
+    (a folder or `gs://bucket/...`), each written whole (`storage.replacing`).
 
     Returns the mean-over-seeds rows, the summary's Markdown and the plot paths.
     """
@@ -197,7 +197,7 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
     means = aggregate_seeds(frame)
     write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
     summary = markdown_summary(means, skipped, notes)
-    with replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
+    with storage.replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
         f.write(summary)
     return means, summary, plot_all(means, out_dir)
 
@@ -360,7 +360,7 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_vs_length_{_slug(dataset)}.png")
-        with replacing(path) as tmp:
+        with storage.replacing(path) as tmp:
             fig.savefig(tmp, dpi=120, format="png")
         plt.close(fig)
         written.append(path)
@@ -388,7 +388,7 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         fig.suptitle(f"Loss by position on {dataset}; dashed line = training length")
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_by_position_{_slug(dataset)}.png")
-        with replacing(path) as tmp:
+        with storage.replacing(path) as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         written.append(path)

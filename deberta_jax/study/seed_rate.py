@@ -24,7 +24,8 @@ import pandas as pd
 from absl import app, flags
 from scipy import stats
 
-from deberta_jax.data import atomic, errors
+from deberta_jax import storage
+from deberta_jax.data import errors
 from deberta_jax.study import length_study, report
 from deberta_jax.study.curves import DEFAULT_MARGIN, plot_by_step
 from deberta_jax.study.report import CONFIDENCE
@@ -32,8 +33,7 @@ from deberta_jax.study.report import CONFIDENCE
 
 def read_curves(path: str, run: str, baseline: str) -> dict:
     """`{"seed", "run", "baseline"}` from one curves.json: the seed and each label's `{step: eval loss}`."""
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(storage.read_text(path))
     missing = [label for label in (run, baseline) if label not in data.get("curves", {})]
     if missing:
         raise ValueError(f"{path} has no curve labelled {', '.join(map(repr, missing))} (it has "
@@ -98,9 +98,8 @@ def write_rate_report(paths: list[str], run: str, baseline: str, out_dir: str, m
         f"{100 * CONFIDENCE:.0f}% Clopper-Pearson interval {100 * lo:.0f}-{100 * hi:.0f}%); {steps}.", "",
         report.markdown_table(shown), "",
         "Sources: " + ", ".join(f"`{p}`" for p in paths), ""])
-    os.makedirs(out_dir, exist_ok=True)
-    atomic.write_text(os.path.join(out_dir, "rate.md"), markdown)
-    atomic.write_text(os.path.join(out_dir, "rate.json"), json.dumps(dict(
+    storage.write_text(os.path.join(out_dir, "rate.md"), markdown)
+    storage.write_text(os.path.join(out_dir, "rate.json"), json.dumps(dict(
         run=run, baseline=baseline, margin=margin, sources=paths, **summary,
         seeds_table=json.loads(table.to_json(orient="records"))), indent=1) + "\n")
     gaps = {f"seed {e['seed']}": {s: e["run"][s] - e["baseline"][s] for s in set(e["run"]) & set(e["baseline"])}
@@ -118,7 +117,7 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("curves", [], "A curves.json (python -m deberta_jax.study.curves) per seed; repeat.")
     flags.DEFINE_string("run", "bert", "Label of the model with positions in every curves file.")
     flags.DEFINE_string("baseline", "nope", "Label of the same model without positions.")
-    flags.DEFINE_string("out", None, "Output directory.")
+    flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
     flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the baseline that count as leaving its plateau.")
 
 
@@ -127,7 +126,7 @@ def main(argv):
     if not FLAGS.curves or not FLAGS.out:
         raise app.UsageError("give at least one --curves FILE and --out DIR")
     for path in FLAGS.curves:
-        if not os.path.isfile(path):
+        if not storage.path(path).is_file():
             raise app.UsageError(f"--curves {path}: no such file")
     print(write_rate_report(FLAGS.curves, FLAGS.run, FLAGS.baseline, FLAGS.out, FLAGS.margin))
 

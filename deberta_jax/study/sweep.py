@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import json
 import os
-import pathlib
 import shlex
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
+from deberta_jax import storage
 from deberta_jax.data import errors, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
@@ -79,8 +79,8 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
 
 
 def finished(run: dict) -> bool:
-    """A run is done when its workdir holds a checkpoint at the final step."""
-    if not os.path.isdir(os.path.join(run["workdir"], checkpoint.CHECKPOINT_DIR)):
+    """A run is done when its workdir (local or in a bucket) holds a checkpoint at the final step."""
+    if not (storage.path(run["workdir"]) / checkpoint.CHECKPOINT_DIR).is_dir():
         return False
     manager = checkpoint.checkpoint_manager(run["workdir"], read_only=True)
     try:
@@ -126,17 +126,13 @@ def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, setti
     evaluate a run again; the cache is used only if `fingerprint` (what the result depends on: settings,
     the eval files' contents, the checkpoint's) is unchanged."""
     fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as they come back from the file
-    if os.path.isfile(cache_path):
-        with open(cache_path) as f:
-            cached = json.load(f)
+    if storage.path(cache_path).is_file():
+        cached = json.loads(storage.read_text(cache_path))
         if cached.get("fingerprint") == fingerprint:
             return cached["records"], cached["skipped"]
     records, skipped = length_study.run_study([load_model()], datasets, settings, corpora)
     report.check_finite(records)
-    tmp = cache_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(fingerprint=fingerprint, records=records, skipped=skipped), f)
-    os.replace(tmp, cache_path)
+    storage.write_text(cache_path, json.dumps(dict(fingerprint=fingerprint, records=records, skipped=skipped)))
     return records, skipped
 
 
@@ -149,12 +145,13 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
     settings = study_settings(sweep)
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
-    # Keyed by what the files are (resolved path, size, mtime), not how the config spells them.
+    # Keyed by what the files are (`storage.identity`: resolved path, size, mtime; in a bucket the object's
+    # generation), not how the config spells them.
     base = dict(settings=dataclasses.asdict(settings),
                 data_files={name: packing.source_fingerprint(spec) for name, spec in sweep.eval.data_files.items()})
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     note = length_study.unpaired_note(
-        (run["name"], pathlib.Path(run["workdir"], checkpoint.TOKENIZER_FILE).read_text()) for run in done)
+        (run["name"], storage.read_text(storage.path(run["workdir"]) / checkpoint.TOKENIZER_FILE)) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
         print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)
@@ -197,8 +194,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         "## Commands", "", *[f"    {shlex.join(r['command'][1:])}" for r in runs], "",
     ]
     path = os.path.join(out, "REPORT.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    storage.write_text(path, "\n".join(lines))
     return path
 
 
