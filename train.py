@@ -15,6 +15,10 @@ processes (multi-host TPU/GPU): pass --multiprocess to call `jax.distributed.ini
 auto-detects TPU pods, SLURM, Open MPI and Kubernetes; for a manual launch set
 JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process
 (setting JAX_COORDINATOR_ADDRESS alone also turns multi-process mode on).
+
+The workdir may be in object storage (`--workdir gs://bucket/run`), the one place every host of a pod can
+write and every later host can restore from. SIGTERM (a preemption notice) makes every process save a
+checkpoint at the same step and exit with status 143 (`deberta_jax.train.preemption`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging as pylogging
+import sys
 import time
 from pathlib import Path
 
@@ -31,15 +36,17 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
+from deberta_jax import storage
 from deberta_jax.data import batches, errors, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
-from deberta_jax.train import checkpoint, config_checks, metrics_io, sharding, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, metrics_io, preemption, sharding, workdir_lock
 from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics; resumed if it has any.")
+flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics, on a local disk or in "
+                    "a bucket (gs://bucket/run); resumed if it has any.")
 flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() (multi-host runs).")
 flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
                      "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
@@ -57,7 +64,7 @@ class NonFiniteError(FloatingPointError):
     """Training produced NaN or inf; the run stopped without saving the bad state."""
 
 
-def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
+def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
     """The workdir's own tokenizer when resuming, else config.data.tokenizer, else the symbol tokenizer of
     synthetic train_files, else one trained on train_files.
 
@@ -96,7 +103,7 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: Path):
     return tokenizer_lib.load_tokenizer(own)
 
 
-def check_resumable(workdir: Path, run: config_dict.ConfigDict) -> None:
+def check_resumable(workdir: storage.AnyPath, run: config_dict.ConfigDict) -> None:
     """Refuses to continue a workdir's checkpoints with another model (or a vocabulary its tokenizer was not
     trained for); logs every other change (another attention kernel, remat policy or layer scan among them)."""
     saved = checkpoint.read_config(workdir)
@@ -148,11 +155,13 @@ def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
 
 
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
-    """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the last logged metrics."""
-    workdir = Path(workdir)
+    """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the last logged metrics.
+    Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM."""
+    workdir = storage.path(workdir)
+    storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
     lock = workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-    with lock:
-        return _train(config, workdir, stop_at_step)
+    with lock as holding:
+        return _train(config, workdir, stop_at_step, holding)
 
 
 def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
@@ -175,7 +184,7 @@ def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
     return train_data, evals
 
 
-def resume_or_initialize(workdir: Path, run: config_dict.ConfigDict, programs, keep: int):
+def resume_or_initialize(workdir: storage.AnyPath, run: config_dict.ConfigDict, programs, keep: int):
     """`(checkpoint manager, train state)`: the newest intact checkpoint of a run with this config, or a fresh
     state where the workdir has none (interrupted saves cleared first, and never over a run whose checkpoints are
     all damaged)."""
@@ -212,7 +221,8 @@ def evaluator(evals: list[dict], eval_step, batch_sharding):
     return evaluate
 
 
-def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | None) -> dict:
+def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None,
+           holding: workdir_lock.Holding | None) -> dict:
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
@@ -265,6 +275,7 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
         check_steps(pending, "no checkpoint was saved before it" if latest is None else
                     f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
 
+    watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
             rows = batches.train_batch(
@@ -278,7 +289,8 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
                 jax.block_until_ready(metrics)
                 timer_start, timer_steps = time.perf_counter(), 0
 
-            final, stopping = step == train_cfg.num_steps, step == last_step
+            preempted = watch.reached(step)  # the same step on every process
+            final, stopping = step == train_cfg.num_steps, step == last_step or preempted
             record = {}
             if step % train_cfg.log_every == 0 or stopping:
                 pending = jax.device_get(pending)
@@ -300,20 +312,29 @@ def _train(config: config_dict.ConfigDict, workdir: Path, stop_at_step: int | No
             saving = step % train_cfg.checkpoint_every == 0 or eval_metrics is not None or stopping
             if saving:
                 check_pending_steps()
+                if holding:
+                    holding.check()
                 checkpoint.save(manager, state, eval_metrics)
+            if preempted and not final:
+                raise preemption.Preempted(step, str(workdir / checkpoint.CHECKPOINT_DIR))
             if record or saving:  # time only training steps
                 timer_start, timer_steps = time.perf_counter(), 0
     finally:
+        watch.close()
         bar.close()
         writer.close()
         manager.close()
     return record
 
 
-def quiet_orbax(record: pylogging.LogRecord) -> bool:
-    """Drops orbax's INFO records (every stage of every save) and its warning that a checkpoint was
-    saved without eval metrics (expected: only evaluation steps carry them)."""
-    if "/orbax/" not in record.pathname:
+# Libraries whose INFO records (every stage of every save, every object read) would bury the run's own log.
+QUIET_LIBRARIES = ("/orbax/", "/gcsfs/", "/fsspec/", "/google/")
+
+
+def quiet_libraries(record: pylogging.LogRecord) -> bool:
+    """Drops the INFO records of `QUIET_LIBRARIES`, and orbax's warning that a checkpoint was saved without eval
+    metrics (expected: only evaluation steps carry them)."""
+    if not any(name in record.pathname for name in QUIET_LIBRARIES):
         return True
     return record.levelno >= pylogging.WARNING and "did not provide metrics" not in record.getMessage()
 
@@ -321,12 +342,17 @@ def quiet_orbax(record: pylogging.LogRecord) -> bool:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_logger().addFilter(quiet_orbax)
+    logging.get_absl_logger().addFilter(quiet_libraries)
     sharding.initialize_distributed(FLAGS.multiprocess)
-    train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
+    try:
+        train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
+    except preemption.Preempted as notice:
+        sys.stderr.write(f"train.py: {notice}\n")
+        sys.exit(preemption.EXIT_CODE)
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(errors.reporting_user_errors(main, "train.py", also=(checkpoint.DamagedCheckpointError, NonFiniteError)),
+    app.run(errors.reporting_user_errors(main, "train.py", also=(checkpoint.DamagedCheckpointError, NonFiniteError,
+                                                                     workdir_lock.WorkdirBusyError)),
             flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "config"))

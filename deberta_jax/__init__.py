@@ -2,7 +2,8 @@
 
 Subpackages follow the import layers, each importing only from the ones before it:
 
-    data     corpora, tokenizer, packing, masking, batches, evaluation targets   (numpy; no deberta_jax imports)
+    storage  every path a user gives, on a disk or in a bucket; whole-file writes; locks' conditional writes
+    data     corpora, tokenizer, packing, masking, batches, evaluation targets   (numpy; -> storage)
     kernels  how attention scores are formed from their terms and become outputs: dense, blockwise, Pallas
     model    ModelConfig, positions, attention variants, the encoder, transformers checkpoints   (-> kernels)
     train    train/eval steps, optimizer, sharding, checkpoints, metrics, config validation   (-> data, model)

@@ -47,3 +47,31 @@ def pytest_collection_modifyitems(items):
 def cache(tmp_path_factory):
     """A packed-token cache shared by one module's short runs (`tests.helpers.micro_config`)."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A real GCS API server (`tests.gcs_server`) for this test process, which it and the processes it starts
+    reach through the environment; each test makes its own bucket (`bucket`)."""
+    from tests.gcs_server import GcsServer
+
+    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+    saved = {name: os.environ.get(name) for name in server.environment}
+    os.environ.update(server.environment)
+    yield server
+    server.stop()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture
+def bucket(gcs, request):
+    """A new bucket on the suite's GCS server, `gs://<name>`, named after the test."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    return gcs.make_bucket(name)

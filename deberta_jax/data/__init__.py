@@ -4,5 +4,5 @@ in parallel (`encoding`) into the memory-mapped on-disk cache (`store`), packing
 fixed targets and windows of the length protocols (`targets`), and generated corpora with known structure for
 position diagnostics (`synthetic`).
 
-Imports nothing else from deberta_jax: the data layer is the bottom of the stack.
+Imports nothing else from deberta_jax but `storage`, through which every corpus path is read.
 """

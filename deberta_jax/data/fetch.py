@@ -21,7 +21,8 @@ import zipfile
 
 from absl import app, flags
 
-from deberta_jax.data import atomic, errors
+from deberta_jax.data import errors
+from deberta_jax.storage import atomic
 
 BROWN_URL = "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora/brown.zip"
 # A Brown file name: genre letter a-r, then the sample number (ca01 ... cr09); the archive also holds CONTENTS etc.

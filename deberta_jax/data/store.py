@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deberta_jax.data import atomic
+from deberta_jax.storage import atomic
 
 logger = logging.getLogger(__name__)
 

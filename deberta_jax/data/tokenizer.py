@@ -7,12 +7,13 @@ rely on `[PAD]` being 0, and masking can tell special tokens apart by id.
 from __future__ import annotations
 
 import dataclasses
-import os
 import string
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from deberta_jax import storage
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 CONTINUATION_PREFIX = "##"
@@ -131,27 +132,30 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, lowercase: bool =
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
-    """Writes the tokenizer as one JSON file, creating parent folders."""
-    path = Path(path)
+    """Writes the tokenizer as one JSON file (as `Tokenizer.save` lays it out), whole or not at all, creating
+    parent folders; `path` may be in object storage."""
+    path = storage.path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: a kill never leaves half a file
-        tokenizer.save(str(tmp))
-        os.replace(tmp, path)
+        storage.write_text(path, tokenizer.to_str(pretty=True))
+    except storage.StorageError:
+        raise
     except Exception as err:
         raise OSError(f"cannot write the tokenizer to {path} ({err}); is {path.parent} writable?") from None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Reads a tokenizer JSON written by `save_tokenizer` and checks its special tokens."""
-    path = Path(path)
+    """Reads a tokenizer JSON written by `save_tokenizer` (locally or from object storage) and checks its special
+    tokens."""
+    path = storage.path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"tokenizer file {path} not found; train one with deberta_jax.tokenizer.train_tokenizer "
             "and save it with save_tokenizer"
         )
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_str(storage.read_text(path))
+    except storage.StorageError:
+        raise
     except Exception as err:  # the Rust parser raises a bare Exception for a truncated or foreign file
         raise ValueError(f"tokenizer file {path} cannot be read ({err}): it is truncated or not a tokenizers "
                          "JSON; restore it, or point config.data.tokenizer at an intact tokenizer.json") from None

@@ -14,11 +14,14 @@ Retention: the latest `keep` checkpoints plus the single best by eval loss, in o
 
 Saves are synchronous (the train step donates its input state, so a background writer must not
 read buffers the next step reuses; a save is rare and small next to the steps between saves).
-Orbax writes each checkpoint into a temporary directory and renames it when complete, so an
+On a disk, orbax writes each checkpoint into a temporary directory and renames it when complete, so an
 interrupted save leaves no checkpoint that `latest_step` would pick up; the previous one stays, and
-`clear_interrupted_saves` removes the temporary directory before the next manager opens the folder.
+`clear_interrupted_saves` removes the temporary directory before the next manager opens the folder. In a
+bucket, which cannot rename, orbax writes in place and commits a checkpoint by writing `commit_success.txt`
+last; a step folder without it is never listed, and the next manager deletes it.
 
-Checkpoints prove themselves: after a save, `<step>/sha256.json` records a digest of every file, and
+Checkpoints prove themselves: after a save, `<step>/sha256.json` records a digest of every file (on a disk
+SHA-256 of the bytes; in a bucket the MD5 the store computed on upload, read from one listing), and
 `restore_newest_intact` accepts a checkpoint only if its files match their digests and every restored
 value is finite. A damaged checkpoint (a flipped bit, a truncated or deleted file) is moved to
 `damaged_checkpoints/` with a warning that names it, and the next newest is tried, so a restart never
@@ -30,8 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -43,6 +44,7 @@ from flax import nnx
 from ml_collections import config_dict
 from tokenizers import Tokenizer
 
+from deberta_jax import storage
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
@@ -82,56 +84,45 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
             policies.BestN(get_metric_fn=_best_metric, reverse=True, n=1, keep_checkpoints_without_metrics=False),
         ]),
     )
-    return ocp.CheckpointManager(Path(workdir).absolute() / CHECKPOINT_DIR, options=options)
+    root = storage.path(workdir)
+    return ocp.CheckpointManager((root if storage.is_remote(root) else root.absolute()) / CHECKPOINT_DIR,
+                                 options=options)
 
 
 def clear_interrupted_saves(workdir: str | Path) -> list[str]:
     """Removes what a save killed midway left in `workdir/checkpoints` (orbax's temporary directories);
-    returns their names. Call from one process before the manager opens the folder."""
-    root = Path(workdir) / CHECKPOINT_DIR
+    returns their names. Call from one process before the manager opens the folder. (In a bucket a killed save
+    leaves an uncommitted step folder, which the manager itself deletes.)"""
+    root = storage.path(workdir) / CHECKPOINT_DIR
+    if storage.is_remote(root):
+        return []
     removed = sorted(p.name for p in root.glob(f"*{_ORBAX_TMP}*")) if root.is_dir() else []
     for name in removed:
-        shutil.rmtree(root / name, ignore_errors=True)
+        storage.remove_tree(root / name)
     return removed
 
 
-def _step_dir(manager: ocp.CheckpointManager, step: int) -> Path:
-    return Path(manager.directory) / str(step)
+def _step_dir(manager: ocp.CheckpointManager, step: int) -> storage.AnyPath:
+    return storage.path(manager.directory) / str(step)
 
 
-def _digests(step_dir: Path) -> dict[str, str]:
-    out = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and not p.name.startswith(DIGEST_FILE)):
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        out[str(path.relative_to(step_dir))] = digest.hexdigest()
-    return out
+def write_digest(step_dir: storage.AnyPath) -> None:
+    """Records a digest of every file of a committed checkpoint (`storage.fingerprints`), written whole."""
+    digests = storage.fingerprints(step_dir, skip=DIGEST_FILE)
+    storage.write_text(step_dir / DIGEST_FILE, json.dumps(digests, indent=0, sort_keys=True))
 
 
-def write_digest(step_dir: Path) -> None:
-    """Records the sha256 of every file of a committed checkpoint (written atomically: tmp, fsync, rename)."""
-    digests = _digests(step_dir)
-    tmp = step_dir / (DIGEST_FILE + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(digests, f, indent=0, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / DIGEST_FILE)
-
-
-def verify_files(step_dir: Path) -> None:
+def verify_files(step_dir: storage.AnyPath) -> None:
     """Raises DamagedCheckpointError unless every file recorded in the digest is there, unchanged.
     A checkpoint without a digest passes (nothing to compare; `restore_newest_intact` still checks values)."""
     recorded_path = step_dir / DIGEST_FILE
     if not recorded_path.is_file():
         return
     try:
-        recorded = json.loads(recorded_path.read_text())
+        recorded = json.loads(storage.read_text(recorded_path))
     except (OSError, json.JSONDecodeError) as err:
         raise DamagedCheckpointError(f"{recorded_path} is unreadable ({err})") from None
-    actual = _digests(step_dir)
+    actual = storage.fingerprints(step_dir, kind=storage.checksum_kind(recorded), skip=DIGEST_FILE)
     missing = sorted(set(recorded) - set(actual))
     changed = sorted(k for k in recorded if k in actual and actual[k] != recorded[k])
     if missing or changed:
@@ -190,7 +181,7 @@ def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainS
             logging.warning("checkpoint %d in %s is damaged (%s); moving it to %s and trying the previous one",
                             step, manager.directory, reason, DAMAGED_DIR)
             if jax.process_index() == 0:
-                _quarantine(_step_dir(manager, step), Path(workdir) / DAMAGED_DIR)
+                _quarantine(_step_dir(manager, step), storage.path(workdir) / DAMAGED_DIR)
             sync_processes(f"checkpoint {step} quarantined")
             continue
         if damaged:
@@ -199,10 +190,10 @@ def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainS
         return state
     if damaged:
         raise DamagedCheckpointError(
-            f"every checkpoint in {Path(workdir) / CHECKPOINT_DIR} was damaged ({damaged}; moved to "
-            f"{Path(workdir) / DAMAGED_DIR}; the warnings above give each reason). If the reason is not damage "
-            f"(e.g. a library that cannot read them), move them back into {CHECKPOINT_DIR}/; otherwise restore them "
-            "from a backup, or start over with another --workdir.")
+            f"every checkpoint in {storage.path(workdir) / CHECKPOINT_DIR} was damaged ({damaged}; moved to "
+            f"{storage.path(workdir) / DAMAGED_DIR}; the warnings above give each reason). If the reason is not "
+            f"damage (e.g. a library that cannot read them), move them back into {CHECKPOINT_DIR}/; otherwise restore "
+            "them from a backup, or start over with another --workdir.")
     return None
 
 
@@ -210,45 +201,44 @@ def refuse_to_start_over(workdir: str | Path) -> None:
     """Raises DamagedCheckpointError when `workdir` has no checkpoint left but damaged ones set aside: a run
     whose every checkpoint was damaged must not restart from step 0 the next time the same command runs. The
     user says otherwise by moving `DAMAGED_DIR` away."""
-    damaged = Path(workdir) / DAMAGED_DIR
+    damaged = storage.path(workdir) / DAMAGED_DIR
     if damaged.is_dir() and any(damaged.iterdir()):
         raise DamagedCheckpointError(
             f"{workdir} has no intact checkpoint; its damaged ones are in {damaged}. Restore checkpoints from a "
-            f"backup into {Path(workdir) / CHECKPOINT_DIR}, or, to start this run over from step 0, move {damaged} "
+            f"backup into {storage.path(workdir) / CHECKPOINT_DIR}, or, to start this run over from step 0, move "
+            f"{damaged} "
             "out of the workdir.")
 
 
-def _quarantine(step_dir: Path, damaged_root: Path) -> None:
-    damaged_root.mkdir(parents=True, exist_ok=True)
+def _quarantine(step_dir: storage.AnyPath, damaged_root: storage.AnyPath) -> None:
     target, n = damaged_root / step_dir.name, 1
     while target.exists():
         target, n = damaged_root / f"{step_dir.name}.{n}", n + 1
-    shutil.move(str(step_dir), str(target))
+    storage.move_tree(step_dir, target)
 
 
 def write_config(workdir: str | Path, config: config_dict.ConfigDict) -> None:
-    """Writes config.json whole (temporary file, then rename), so a kill never leaves half of it."""
-    path = Path(workdir) / CONFIG_FILE
-    tmp = path.with_name(CONFIG_FILE + ".tmp")
+    """Writes config.json whole (`storage.write_text`), so a kill never leaves half of it."""
+    path = storage.path(workdir) / CONFIG_FILE
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        storage.write_text(path, json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    except storage.StorageError:
+        raise
     except OSError as err:
         raise OSError(f"cannot write {path} ({err.strerror}); is {path.parent} writable?") from None
 
 
 def read_config(workdir: str | Path) -> config_dict.ConfigDict:
-    path = Path(workdir) / CONFIG_FILE
+    path = storage.path(workdir) / CONFIG_FILE
     if not path.is_file():
-        if (Path(workdir) / CHECKPOINT_DIR).is_dir():
+        if (storage.path(workdir) / CHECKPOINT_DIR).is_dir():
             raise FileNotFoundError(
                 f"{path} is missing, but {workdir} holds checkpoints: the model they belong to is described only "
                 f"in {CONFIG_FILE}, so neither a resumed train.py nor eval.py can rebuild it. Restore {CONFIG_FILE} "
                 "from a backup, or start over with another --workdir.")
         raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir (train.py writes "
                                 f"{CONFIG_FILE} there at start-up)")
-    return config_dict.ConfigDict(json.loads(path.read_text()))
+    return config_dict.ConfigDict(json.loads(storage.read_text(path)))
 
 
 def parse_step(text: str) -> int | str:
@@ -264,8 +254,8 @@ def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir)
     """`None` or "latest" -> latest, "best" -> lowest eval loss, int -> that step."""
     available = manager.all_steps()
     if not available:
-        raise FileNotFoundError(f"no checkpoint in {Path(workdir) / CHECKPOINT_DIR}: the run has not saved one yet "
-                                "(checkpoints are written every config.train.checkpoint_every steps)")
+        raise FileNotFoundError(f"no checkpoint in {storage.path(workdir) / CHECKPOINT_DIR}: the run has not saved "
+                                "one yet (checkpoints are written every config.train.checkpoint_every steps)")
     if step in (None, "latest"):
         return manager.latest_step()
     if step == "best":
@@ -283,12 +273,12 @@ def content_fingerprint(workdir: str | Path, step: int) -> str:
     """sha256 over everything a model loaded from checkpoint `step` of `workdir` depends on: the step's parameter
     files, the resolved config and the tokenizer. Caches of results computed from a run are keyed by it, so they
     stay valid when the workdir is moved or spelled differently and miss when the run is trained again."""
-    step_dir = Path(workdir) / CHECKPOINT_DIR / str(step)
+    step_dir = storage.path(workdir) / CHECKPOINT_DIR / str(step)
     if not step_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint for step {step} in {workdir}")
-    digest = hashlib.sha256(json.dumps(_digests(step_dir / "params"), sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(storage.fingerprints(step_dir / "params"), sort_keys=True).encode())
     for name in (CONFIG_FILE, TOKENIZER_FILE):
-        digest.update((Path(workdir) / name).read_bytes())
+        digest.update(storage.read_bytes(storage.path(workdir) / name))
     return digest.hexdigest()
 
 
@@ -303,7 +293,7 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
     """
     config = read_config(workdir)
     model_config = ModelConfig.from_dict(config.model.to_dict()).with_options(**overrides)
-    tokenizer = tokenizer_lib.load_tokenizer(Path(workdir) / TOKENIZER_FILE)
+    tokenizer = tokenizer_lib.load_tokenizer(storage.path(workdir) / TOKENIZER_FILE)
     manager = checkpoint_manager(workdir, read_only=True)
     chosen = select_step(manager, step, workdir)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: MaskedLM(model_config, rngs=nnx.Rngs(params=0))))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 import re
 
 from ml_collections import config_dict
 from ml_collections.config_flags import config_flags as config_flags_module
 
+from deberta_jax import storage
 from deberta_jax.data import packing
 from deberta_jax.kernels.dispatch import FUSED_KERNELS
 from deberta_jax.model.config import ConfigError, ModelConfig
@@ -65,8 +65,12 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
     _require(isinstance(config.data.eval_files, str), "data.eval_files", config.data.eval_files,
              'must be a data spec like data.train_files, or "" to disable evaluation')
     tokenizer = config.data.tokenizer
-    _require(tokenizer is None or os.path.isfile(tokenizer), "data.tokenizer", tokenizer,
+    _require(tokenizer is None or storage.path(tokenizer).is_file(), "data.tokenizer", tokenizer,
              "does not exist; pass a tokenizer.json file, or leave it unset to train one on data.train_files")
+    # The token cache is memory-mapped, so it lives on each host's own disk; the text itself may be in a bucket.
+    _require(not storage.is_remote(config.data.cache_dir), "data.cache_dir", config.data.cache_dir,
+             "must be a local folder (each host memory-maps its own token cache); corpora in object storage are "
+             "read from data.train_files / eval_files and tokenized into it")
     seq_len = config.data.seq_len
     _require(_is_int(seq_len), "data.seq_len", seq_len, "must be an integer")
     low, high = packing.MIN_SEQ_LEN, packing.MAX_SEQ_LEN

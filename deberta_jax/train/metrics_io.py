@@ -5,6 +5,10 @@ about to be recomputed, and keeping them would leave two values for one step. Ev
 flushed and fsynced as it is written, so the file is complete up to the last logged step whenever the
 process stops; TensorBoard's copy is best-effort (its writer thread is given `CLOSE_TIMEOUT_S` to
 finish, so an interrupted run exits instead of hanging in the thread's join).
+
+A workdir in object storage cannot be appended to: there the writer keeps the records and uploads the whole file
+at every write (an object is replaced whole, so a kill leaves the previous version, complete), and TensorBoard
+writes its events to a local folder whose files are uploaded after each flush.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 from absl import logging
+
+from deberta_jax import storage
 
 
 def _summary_writer_class():
@@ -39,10 +46,10 @@ CLOSE_TIMEOUT_S = 10.0
 def read_metrics(workdir: str | Path) -> list[dict]:
     """Every record of `workdir/metrics.jsonl`. A last line cut short (the process was killed while writing it)
     is left out: its step is past the last checkpoint, so the resumed run writes it again."""
-    path = Path(workdir) / METRICS_FILE
+    path = storage.path(workdir) / METRICS_FILE
     if not path.is_file():
         return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in storage.read_text(path).splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
@@ -60,23 +67,31 @@ class MetricsWriter:
         self.enabled = enabled
         if not enabled:
             return
-        self.path = Path(workdir) / METRICS_FILE
-        kept = [record for record in read_metrics(workdir) if record["step"] <= resume_step]
-        tmp = self.path.with_name(METRICS_FILE + ".tmp")  # rewritten whole, then renamed: a kill loses nothing
-        tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        os.replace(tmp, self.path)
-        self.tensorboard = _summary_writer_class()(str(Path(workdir) / TENSORBOARD_DIR))
+        self.path = storage.path(workdir) / METRICS_FILE
+        self.remote = storage.is_remote(self.path)
+        self.lines = [json.dumps(record) + "\n" for record in read_metrics(workdir) if record["step"] <= resume_step]
+        storage.write_text(self.path, "".join(self.lines))  # rewritten whole: a kill loses nothing
+        self.tensorboard_dir = storage.path(workdir) / TENSORBOARD_DIR
+        self.staging = tempfile.TemporaryDirectory(prefix="deberta-jax-tensorboard-") if self.remote else None
+        self.tensorboard = _summary_writer_class()(self.staging.name if self.remote else str(self.tensorboard_dir))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        line = json.dumps({"step": step, **metrics}) + "\n"
+        if self.remote:
+            self.lines.append(line)
+            storage.write_text(self.path, "".join(self.lines))
+        else:
+            with Path(self.path).open("a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
         for name, value in metrics.items():
             self.tensorboard.add_scalar(name, value, step)
         self.tensorboard.flush()
+        if self.remote:
+            storage.upload_tree(self.staging.name, self.tensorboard_dir)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Closes TensorBoard's writer, waiting at most `timeout_s` for its thread (metrics.jsonl is complete)."""
@@ -88,3 +103,7 @@ class MetricsWriter:
         if closer.is_alive():
             logging.warning("TensorBoard's writer did not close within %.0f s; its last events may be missing "
                             "(%s is complete)", timeout_s, self.path)
+        elif self.remote:
+            storage.upload_tree(self.staging.name, self.tensorboard_dir)
+        if self.remote:
+            self.staging.cleanup()

@@ -9,6 +9,14 @@ the previous holder died, which is reported with its PID before the lock is take
 
 flock is per host: on a filesystem shared between machines (NFS) it does not exclude a process on
 another machine. Multi-process runs take the lock in process 0 only (all processes are one run).
+
+A workdir in object storage (`gs://`) has no file locks; its lock is an object created only if none exists (a
+generation precondition, so of two launches on any machines exactly one succeeds), holding the same record. The
+holder renews it every `RENEW_EVERY_S` by replacing it only if it is still the version it wrote, and deletes it on
+exit. Nothing tells a bucket that a process died, so a lock is taken over (with a warning naming the holder) when
+its holder stopped renewing it `STALE_AFTER_S` ago, or at once when the holder ran on this host and its PID no
+longer runs (a restart on the same VM). A holder that finds its lock replaced (it stalled past `STALE_AFTER_S`
+and another run took over) stops before its next checkpoint (`Holding.check`).
 """
 
 from __future__ import annotations
@@ -18,13 +26,21 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from absl import logging
 
+from deberta_jax import storage
+from deberta_jax.storage import atomic
+
 LOCK_FILE = ".lock"
+# An object lock's renewal period, and the silence after which its holder is presumed dead: long enough that a
+# slow request or a busy host never loses a live run its lock, short enough that a crashed pod restarts soon.
+RENEW_EVERY_S = 15.0
+STALE_AFTER_S = 120.0
 
 
 class WorkdirBusyError(RuntimeError):
@@ -50,9 +66,30 @@ def _describe(holder: dict | None) -> str:
     return f"PID {holder.get('pid')} on {holder.get('host', '?')} (since {when}, {holder.get('what', '?')})"
 
 
+class Holding:
+    """A held lock; `check` raises WorkdirBusyError once it was lost (only an object lock can be)."""
+
+    def __init__(self):
+        self.lost: str | None = None
+
+    def check(self) -> None:
+        if self.lost:
+            raise WorkdirBusyError(self.lost)
+
+
+def _record(what: str) -> dict:
+    return dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what)
+
+
 @contextlib.contextmanager
-def hold(workdir: str | Path, what: str = "train.py") -> Iterator[None]:
-    """Holds `workdir`'s lock for the `with` block; raises WorkdirBusyError naming the holder if taken."""
+def hold(workdir: str | Path, what: str = "train.py", *, renew_every_s: float = RENEW_EVERY_S,
+         stale_after_s: float = STALE_AFTER_S) -> Iterator[Holding]:
+    """Holds `workdir`'s lock for the `with` block; raises WorkdirBusyError naming the holder if taken.
+    `renew_every_s` and `stale_after_s` apply to a workdir in object storage."""
+    if storage.is_remote(workdir):
+        with _object_lock(storage.path(workdir), what, renew_every_s, stale_after_s) as holding:
+            yield holding
+        return
     workdir = Path(workdir)
     path = workdir / LOCK_FILE
     try:
@@ -66,9 +103,7 @@ def hold(workdir: str | Path, what: str = "train.py") -> Iterator[None]:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise WorkdirBusyError(
-            f"{workdir} is in use by {_describe(holder)}: two runs in one workdir would interleave their "
-            "checkpoints and metrics. Wait for it to finish (or stop it), or pass another --workdir.") from None
+        raise _busy(workdir, holder) from None
     try:
         stale = _holder(fd)
         if stale:
@@ -76,11 +111,83 @@ def hold(workdir: str | Path, what: str = "train.py") -> Iterator[None]:
                             "taking it over", path, _describe(stale))
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        holder = dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what)
-        os.write(fd, json.dumps(holder).encode())
+        os.write(fd, json.dumps(_record(what)).encode())
         os.fsync(fd)
-        yield
+        yield Holding()
     finally:
         os.ftruncate(fd, 0)  # a clean exit leaves an empty file: nothing stale to report next time
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _busy(workdir, holder: dict | None, detail: str = "") -> WorkdirBusyError:
+    return WorkdirBusyError(
+        f"{workdir} is in use by {_describe(holder)}{detail}: two runs in one workdir would interleave their "
+        "checkpoints and metrics. Wait for it to finish (or stop it), or pass another --workdir.")
+
+
+def _parse(version: storage.Version) -> dict | None:
+    try:
+        return json.loads(version.data)
+    except json.JSONDecodeError:
+        return {"pid": "?", "raw": version.data[:200].decode("utf-8", "replace")}
+
+
+def _dead_here(holder: dict | None) -> bool:
+    """The holder ran on this host and its process is gone: it will never renew."""
+    pid = holder.get("pid") if holder else None
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not atomic.running(pid)
+
+
+def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int]:
+    record = _record(what)
+    data = json.dumps(record).encode()
+    for _ in range(3):  # the lock may vanish between a refused create and the read of its holder
+        generation = storage.create_new(lock, data)
+        if generation is not None:
+            return record, generation
+        current = storage.read_version(lock)
+        if current is None:
+            continue
+        holder, silent_s = _parse(current), time.time() - current.updated
+        if not (_dead_here(holder) or silent_s > stale_after_s):
+            raise _busy(lock.parent, holder, f", last renewed {silent_s:.0f} s ago")
+        reason = "whose process no longer runs" if _dead_here(holder) else f"silent for {silent_s:.0f} s"
+        logging.warning("%s: the previous run, %s, %s, ended without releasing its lock (killed, crashed or its VM "
+                        "was taken away); taking it over", lock, _describe(holder), reason)
+        storage.delete_version(lock, current.generation)  # if another launch deleted it first, its create wins
+    raise _busy(lock.parent, None, " (its lock changed hands while this run tried to take it)")
+
+
+@contextlib.contextmanager
+def _object_lock(workdir, what: str, renew_every_s: float, stale_after_s: float) -> Iterator[Holding]:
+    lock = workdir / LOCK_FILE
+    record, generation = _acquire(lock, what, stale_after_s)
+    holding, stop = Holding(), threading.Event()
+
+    def renew():
+        nonlocal generation
+        while not stop.wait(renew_every_s):
+            try:
+                renewed = storage.replace_version(lock, json.dumps(dict(record, renewed=time.time())).encode(),
+                                                  generation)
+            except storage.StorageError as err:  # the store is briefly unreachable: try again next period
+                logging.warning("could not renew the workdir lock %s: %s", lock, err)
+                continue
+            if renewed is None:
+                holding.lost = (f"{lock} was taken over by another run after this one failed to renew it for "
+                                f"{stale_after_s:.0f} s; stopping so as not to write over that run's checkpoints")
+                logging.error("%s", holding.lost)
+                return
+            generation = renewed
+
+    renewer = threading.Thread(target=renew, name="workdir-lock-renewal", daemon=True)
+    renewer.start()
+    try:
+        yield holding
+    finally:
+        stop.set()
+        renewer.join()
+        if not holding.lost:
+            with contextlib.suppress(storage.StorageError):  # unreleased, it goes stale and is taken over
+                storage.delete_version(lock, generation)

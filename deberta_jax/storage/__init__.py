@@ -1,0 +1,53 @@
+"""Every path a user gives, on a local disk or in object storage (`gs://bucket/...`, `s3://bucket/...`).
+
+A TPU pod's hosts share nothing but a bucket, so a run's workdir, its corpora and the outputs of evaluation and
+export may all live there. `path` turns what the user typed into the one type the project passes around: a
+`pathlib.Path` for a local path (so local behaviour is exactly what it always was) and an `etils.epath.Path` for
+a URL, which speaks the same pathlib API through fsspec (gcsfs for `gs://`, s3fs for `s3://`) and which orbax
+takes as a checkpoint directory. The few operations where object storage differs from a disk are here, once:
+
+  * no atomic rename: `write_bytes` / `replacing` write a local file under a temporary name and rename it, but
+    upload an object in one request, which the store commits whole or not at all (a reader sees the old object
+    or the new one, never part of one);
+  * no file locks: `create_new` (create only if absent, a generation precondition) and `Generation` (replace or
+    delete only the version one last saw) are what `train.workdir_lock` builds its lock from;
+  * no cheap re-reading: `fingerprints` takes the checksums the store computed on upload from one listing
+    instead of downloading every file;
+  * more ways to fail: `StorageError` names the bucket and the fix in one line.
+
+Directory listings are never cached (`use_listings_cache=False`): another host may have written since.
+"""
+
+from deberta_jax.storage.objects import Version, create_new, delete_version, read_version, replace_version
+from deberta_jax.storage.paths import (
+    SCHEMES,
+    AnyPath,
+    PathLike,
+    StorageError,
+    bucket,
+    check_writable,
+    checksum_kind,
+    filesystem,
+    fingerprints,
+    glob,
+    identity,
+    is_remote,
+    local_copy,
+    move_tree,
+    path,
+    read_bytes,
+    read_text,
+    reader,
+    remove_tree,
+    replacing,
+    reporting,
+    tree_bytes,
+    upload_tree,
+    write_bytes,
+    write_text,
+)
+
+__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_writable", "checksum_kind",
+           "create_new", "delete_version", "filesystem", "fingerprints", "glob", "identity", "is_remote", "local_copy",
+           "move_tree", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree", "replace_version",
+           "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes", "write_text"]

@@ -1,0 +1,311 @@
+"""Paths on a disk or in object storage, and the operations whose meaning differs between them (see the package
+docstring)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+import fsspec
+from etils import epath
+
+from deberta_jax.storage import atomic
+
+# Object stores the project knows how to address; fsspec serves each through its own library.
+SCHEMES = ("gs", "s3")
+# Listings cached by gcsfs / s3fs would hide what other hosts wrote since; every listing asks the store.
+for _protocol in ("gs", "gcs", "s3"):
+    fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
+
+PathLike = str | os.PathLike
+AnyPath = pathlib.Path | epath.Path
+
+
+class StorageError(OSError):
+    """Object storage cannot be reached, or refuses what the run must do there; the message names the bucket."""
+
+
+def is_remote(path: PathLike) -> bool:
+    """Whether `path` names object storage (`gs://...`, `s3://...`) rather than a local file."""
+    text = os.fspath(path)
+    return "://" in text and text.split("://", 1)[0] in SCHEMES
+
+
+def path(value: PathLike) -> AnyPath:
+    """The path a user gave, as the type it travels as: `pathlib.Path` locally, `epath.Path` for a URL.
+
+    A URL given with an unknown scheme (`gcs://`, `http://`) is refused rather than taken for a local folder of
+    that name, which is what a plain `Path("gs://b/run")` silently makes.
+    """
+    if isinstance(value, epath.Path) and is_remote(value):
+        return value
+    text = os.fspath(value)
+    if is_remote(text):
+        return epath.Path(text)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"{text}: unknown storage scheme {scheme}://; use a local path or "
+                         + " or ".join(f"{s}://bucket/..." for s in SCHEMES))
+    return pathlib.Path(text)
+
+
+def bucket(value: PathLike) -> str:
+    """`gs://bucket` for a path in object storage (for messages), the path itself otherwise."""
+    text = os.fspath(value)
+    if not is_remote(text):
+        return text
+    scheme, rest = text.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def filesystem(value: PathLike) -> fsspec.AbstractFileSystem:
+    """The fsspec filesystem serving a remote path (the one `epath` uses for it)."""
+    return fsspec.core.url_to_fs(os.fspath(value))[0]
+
+
+def _key(value: PathLike) -> str:
+    """`bucket/object` as fsspec filesystems name a remote path."""
+    return os.fspath(value).split("://", 1)[1]
+
+
+@contextlib.contextmanager
+def reporting(value: PathLike, doing: str) -> Iterator[None]:
+    """Turns what a store's client raises (timeouts, refused connections, HTTP errors, missing buckets) into a
+    `StorageError` naming the bucket; local paths' errors pass as they are."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+        raise
+    except Exception as err:  # noqa: BLE001 - aiohttp, google-auth and the stores' clients raise many types
+        if not is_remote(value):
+            raise
+        reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise StorageError(f"{bucket(value)}: cannot {doing} {os.fspath(value)} ({reason}); check that the bucket "
+                           "exists, that these credentials may read and write it, and that the store is reachable"
+                           ) from None
+
+
+# ---------------------------------------------------------------------------------------------- whole files
+
+def write_bytes(target: PathLike, data: bytes) -> None:
+    """`target` holds `data` in full, or what it held before: never part of it (parent folders are created)."""
+    target = path(target)
+    if not is_remote(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic.replacing(target) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        return
+    with reporting(target, "write"):
+        filesystem(target).pipe_file(_key(target), data)
+
+
+def write_text(target: PathLike, text: str) -> None:
+    write_bytes(target, text.encode())
+
+
+def read_bytes(source: PathLike) -> bytes:
+    source = path(source)
+    with reporting(source, "read"):
+        return source.read_bytes()
+
+
+def read_text(source: PathLike) -> str:
+    return read_bytes(source).decode()
+
+
+@contextlib.contextmanager
+def replacing(target: PathLike) -> Iterator[pathlib.Path]:
+    """Yields a local path to write `target`'s new content to (with any library that writes files); it becomes
+    `target` whole when the block completes: renamed over a local file, or uploaded as one object."""
+    target = path(target)
+    if not is_remote(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic.replacing(target) as tmp:
+            yield pathlib.Path(tmp)
+        return
+    with tempfile.TemporaryDirectory(prefix="deberta-jax-upload-") as staging:
+        local = pathlib.Path(staging) / target.name
+        yield local
+        with reporting(target, "upload"):
+            filesystem(target).put_file(os.fspath(local), _key(target))
+
+
+def upload_tree(local: PathLike, target: PathLike) -> None:
+    """Copies the files under local folder `local` to folder `target` (any storage), each written whole."""
+    local = pathlib.Path(local)
+    for file in sorted(p for p in local.rglob("*") if p.is_file()):
+        relative = file.relative_to(local).as_posix()
+        write_bytes(path(target) / relative, file.read_bytes())
+
+
+def remove_tree(target: PathLike) -> None:
+    """Deletes a folder and everything under it; a missing one is no error."""
+    target = path(target)
+    if not is_remote(target):
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    with reporting(target, "delete"), contextlib.suppress(FileNotFoundError):
+        filesystem(target).rm(_key(target), recursive=True)
+
+
+def move_tree(source: PathLike, target: PathLike) -> None:
+    """Moves a folder (locally a rename; in object storage a copy of every object, then their deletion)."""
+    source, target = path(source), path(target)
+    if not is_remote(source):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(os.fspath(source), os.fspath(target))
+        return
+    with reporting(source, "move"):
+        filesystem(source).mv(_key(source), _key(target), recursive=True)
+
+
+def glob(pattern: str) -> list[str]:
+    """Files matching a glob, as the strings a user would write (URLs keep their scheme), sorted."""
+    if not is_remote(pattern):
+        import glob as globbing
+        return sorted(p for p in globbing.glob(pattern, recursive=True) if os.path.isfile(p))
+    scheme = pattern.split("://", 1)[0]
+    fs = filesystem(pattern)
+    with reporting(pattern, "list"):
+        return sorted(f"{scheme}://{p}" for p in fs.glob(_key(pattern)) if fs.isfile(p))
+
+
+def identity(file: PathLike) -> tuple:
+    """What changes when a file's content is replaced: (absolute path, size, mtime) locally; in object storage
+    (URL, size, generation or ETag), which the store sets anew at every write."""
+    file = path(file)
+    if not is_remote(file):
+        stat = file.stat()
+        return str(file.resolve()), stat.st_size, stat.st_mtime_ns
+    with reporting(file, "read"):
+        info = filesystem(file).info(_key(file))
+    return os.fspath(file), info.get("size"), str(info.get("generation") or info.get("ETag") or info.get("etag"))
+
+
+def check_writable(folder: PathLike, what: str) -> None:
+    """Fails now, naming `folder` and `what` it is for, when a file cannot be written there: a bucket that does
+    not exist or these credentials may not write is found before any compilation, not at the first save."""
+    folder = path(folder)
+    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_bytes(probe, b"")
+        if is_remote(probe):
+            filesystem(probe).rm_file(_key(probe))
+        else:
+            probe.unlink()
+    except OSError as err:
+        if not is_remote(folder):
+            raise OSError(f"{what} {folder} is not writable ({err.strerror or err}); pass a folder you can write "
+                          "to") from None
+        reason = "no such bucket" if isinstance(err, FileNotFoundError) else str(err).split("; check")[0]
+        raise StorageError(f"{what} {os.fspath(folder)} is not writable: {bucket(folder)}: {reason}; check that the "
+                           "bucket exists and that these credentials may write to it") from None
+
+
+# ---------------------------------------------------------------------------------------------- checksums
+
+def fingerprints(root: PathLike, kind: str | None = None, skip: str = "") -> dict[str, str]:
+    """A checksum of every file under `root` (relative POSIX path -> checksum), files named `skip*` left out.
+
+    `kind` "sha256" reads every byte (a local disk's default); "md5" takes the checksum that object storage
+    computed when each object was uploaded, from one listing (the bucket's default: nothing is downloaded), and
+    computes the same from the bytes of a local file. MD5 values are written "md5:<base64>", as GCS reports them.
+    """
+    root = path(root)
+    kind = kind or ("md5" if is_remote(root) else "sha256")
+    if not is_remote(root):
+        return {p.relative_to(root).as_posix(): _hash_file(p, kind)
+                for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(skip or "\0")}
+    fs = filesystem(root)
+    prefix = _key(root).rstrip("/") + "/"
+    with reporting(root, "list"):
+        listing = fs.find(prefix, detail=True)
+    out = {}
+    for key, info in sorted(listing.items()):
+        relative = key[len(prefix):] if key.startswith(prefix) else key
+        if info.get("type") == "directory" or (skip and relative.rsplit("/", 1)[-1].startswith(skip)):
+            continue
+        if kind == "md5" and info.get("md5Hash"):
+            out[relative] = "md5:" + info["md5Hash"]
+        else:  # no stored checksum of this kind: read the object
+            with reporting(root, "read"), fs.open(key, "rb") as f:
+                out[relative] = _hash_stream(f, kind)
+    return out
+
+
+def _hash_file(file: pathlib.Path, kind: str) -> str:
+    with file.open("rb") as f:
+        return _hash_stream(f, kind)
+
+
+def _hash_stream(f, kind: str) -> str:
+    digest = hashlib.new(kind)
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        digest.update(chunk)
+    return "md5:" + base64.b64encode(digest.digest()).decode() if kind == "md5" else digest.hexdigest()
+
+
+def checksum_kind(recorded: dict[str, str]) -> str:
+    """Which `fingerprints` kind a record was made with (records of either kind verify on any storage)."""
+    return "md5" if any(value.startswith("md5:") for value in recorded.values()) else "sha256"
+
+
+# ---------------------------------------------------------------------------------------------- streams, local copies
+
+def reader(source: PathLike) -> io.BufferedReader:
+    """`source` opened for reading bytes, with the interface of a local `open(source, "rb")`: a URL's fsspec file
+    lacks part of it (`readline(size)`, which bounds how much one line may read), so it is wrapped in the same
+    buffered reader. For files read piece by piece, which `read_bytes` would hold whole in memory."""
+    source = path(source)
+    if not is_remote(source):
+        return open(source, "rb")
+    with reporting(source, "read"):
+        return io.BufferedReader(filesystem(source).open(_key(source), "rb"))
+
+
+@contextlib.contextmanager
+def local_copy(folder: PathLike) -> Iterator[pathlib.Path]:
+    """Yields a local folder holding the files of `folder`, for libraries that read only local files: `folder`
+    itself on a disk; for a URL, a download of every file under it, deleted when the block ends (the counterpart
+    of `upload_tree`)."""
+    folder = path(folder)
+    if not is_remote(folder):
+        yield folder
+        return
+    fs, prefix = filesystem(folder), _key(folder).rstrip("/") + "/"
+    with tempfile.TemporaryDirectory(prefix="deberta-jax-download-") as staging:
+        with reporting(folder, "download"):
+            try:
+                keys = [key for key in fs.find(prefix) if key.startswith(prefix)]
+            except FileNotFoundError:  # no such bucket
+                keys = []
+            if not keys:
+                raise FileNotFoundError(f"{os.fspath(folder)} not found: no file under it in {bucket(folder)}")
+            for key in keys:
+                local = pathlib.Path(staging, key[len(prefix):])
+                local.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(key, os.fspath(local))
+        yield pathlib.Path(staging)
+
+
+def tree_bytes(root: PathLike) -> int:
+    """The bytes of every file under folder `root` (a checkpoint's size, for benchmarks and messages)."""
+    root = path(root)
+    if not is_remote(root):
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    with reporting(root, "list"):
+        return int(filesystem(root).du(_key(root), total=True))

