@@ -4,9 +4,9 @@
 
 Writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json, which
 `transformers.AutoModelForMaskedLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` read.
-Models transformers cannot express (RoPE, ALiBi, T5 bias, EMD, sinusoidal or randomized positions, pre-LN)
-are refused with the config field named; a model whose logits agree with transformers only up to some length
-is exported with a warning giving that length.
+Models transformers cannot express (RoPE, ALiBi, T5 bias, EMD, sinusoidal or randomized positions, pre-LN,
+an attention window or temperature) are refused with the config field named; a model whose logits agree with
+transformers only up to some length is exported with a warning giving that length.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ a model that looks fine and is wrong. Relative positions are loaded with `clamp_
 transformers' own behaviour, so logits match it exactly; set it back to True (the official microsoft/DeBERTa
 behaviour with log buckets) to study long sequences without reading the untrained row 0 of the relative table.
 
-Saving (`save`) refuses what transformers cannot express (`ExportError`, naming the config field) and warns
-(`ExportWarning`) where the exported model agrees with this one only up to a sequence length.
+Saving (`save`) refuses what transformers cannot express or cannot compute the same way (`ExportError`, naming
+the config field) and warns (`ExportWarning`) where the exported model agrees with this one only up to a sequence
+length.
 
 `load_tokenizer` reads the tokenizer saved beside a checkpoint: `tokenizer.json`, or the files published
 checkpoints ship instead (DeBERTa-v2/v3's SentencePiece `spm.model`, BERT's `vocab.txt`), converted by
@@ -348,6 +349,13 @@ def _refusals(cfg: ModelConfig) -> list[str]:
           "further there would change the scheme")),
         ("layer_norm_placement", cfg.layer_norm_placement != "post",
          "transformers' BERT and DeBERTa-v2 normalize after each residual add and have no final norm"),
+        # Refused, not warned: the window and the temperature are part of what the model computes (a window
+        # narrower than the training length even at the training length), and transformers can do neither.
+        ("attention_window", cfg.attention_window != 0,
+         "transformers attends to every key, so its logits differ on every sequence longer than the window"),
+        ("attention_temperature", cfg.attention_temperature != "none",
+         "transformers scales no attention score by the number of keys, so its logits differ past the training "
+         "length"),
     )
     return [f"model.{field}={getattr(cfg, field)!r} ({why})" for field, refused, why in checks if refused]
 

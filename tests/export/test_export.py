@@ -193,6 +193,9 @@ def test_command_line_exports_a_workdir_and_warns_where_its_absolute_policy_leav
     (dict(position_biased_input=True, absolute_embedding="sinusoidal"), "absolute_embedding"),
     (dict(attention="entangled", position_biased_input=True, randomized_positions=True), "randomized_positions"),
     (dict(layer_norm_placement="pre"), "layer_norm_placement"),
+    # A window below the training length changes the logits at the training length itself.
+    (dict(trained_length=32, attention_window=4), "attention_window"),
+    (dict(trained_length=32, attention_temperature="log_length"), "attention_temperature"),
 ])
 def test_what_transformers_cannot_express_is_refused_by_field(fields, field):
     with pytest.raises(hf.ExportError, match=rf"model\.{field}="):
