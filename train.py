@@ -66,13 +66,20 @@ class NonFiniteError(FloatingPointError):
 
 def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
     """The workdir's own tokenizer when resuming, else config.data.tokenizer, else the symbol tokenizer of
-    synthetic train_files, else one trained on train_files.
+    synthetic train_files, else one trained on train_files. A workdir with checkpoints but without its tokenizer
+    is refused: a checkpoint is never continued with another tokenizer.
 
     With several processes, process 0 trains the tokenizer and the others read it from the workdir: every
     process must map text to the same ids, and that should not rest on the trainer being deterministic.
     """
     own = workdir / checkpoint.TOKENIZER_FILE
     resuming = own.is_file()
+    # Any other tokenizer would give the checkpoints' token ids other pieces, so the fix is this very file.
+    restore = (f"Restore {checkpoint.TOKENIZER_FILE} from a copy of the workdir or an export of it "
+               "(python -m deberta_jax.export writes it), or train anew in another --workdir.")
+    if not resuming and checkpoint.has_checkpoints(workdir):
+        raise FileNotFoundError(f"{own} is missing, but {workdir} holds checkpoints trained with its token ids. "
+                                f"{restore}")
     sharding.sync_processes("tokenizer looked up")  # no process may see the file process 0 is about to write
     if resuming:
         try:
@@ -80,9 +87,7 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
         except ValueError:  # load_tokenizer's hint (config.data.tokenizer) does not apply: resuming ignores it
             raise config_checks.ConfigError(
                 f"{own} cannot be read (truncated, or not a tokenizers JSON), and the checkpoints in {workdir} were "
-                "trained with its token ids. "
-                f"Restore {checkpoint.TOKENIZER_FILE} from a copy of the workdir or an export of it "
-                "(python -m deberta_jax.export writes it), or train anew in another --workdir.") from None
+                f"trained with its token ids. {restore}") from None
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
     if synthetic.is_synthetic_spec(config.data.train_files):

@@ -1,8 +1,10 @@
 """Clear errors for bad input at every entry point (train.py, eval.py, the sweep, the data and model loaders): one
 line naming the field, the file and the fix, no traceback, and nothing written before the refusal."""
 
+import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pytest
 from flax import nnx
 
 import train
+from configs import deberta
 from deberta_jax.data import errors, packing, text
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.study import length_study, report, scoring
@@ -102,6 +105,25 @@ def test_a_truncated_tokenizer_file_is_named(tmp_path):
     (tmp_path / "cut.json").write_text((tmp_path / "tokenizer.json").read_text()[:200])
     with pytest.raises(ValueError, match=r"tokenizer file .*cut.json cannot be read"):
         tokenizer_lib.load_tokenizer(tmp_path / "cut.json")
+
+
+def test_a_missing_tokenizer_names_a_function_that_exists(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"train one with ([\w.]+) ") as info:
+        tokenizer_lib.load_tokenizer(tmp_path / "none.json")
+    module, _, function = re.search(r"train one with ([\w.]+) ", str(info.value))[1].rpartition(".")
+    assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_a_workdir_with_checkpoints_but_no_tokenizer_is_not_given_another(tmp_path):
+    """Other training files given: training a tokenizer on them would give the checkpoints' ids other pieces."""
+    (tmp_path / "train.txt").write_text("the quick brown fox jumps over the lazy dog\n")
+    (tmp_path / "run" / checkpoint.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    config = deberta.get_config("micro")
+    config.data.train_files = str(tmp_path / "train.txt")
+    with pytest.raises(FileNotFoundError, match=r"run/tokenizer.json is missing, but .* holds checkpoints .*Restore "
+                                                r"tokenizer.json from a copy"):
+        train.prepare_tokenizer(config, tmp_path / "run")
+    assert not (tmp_path / "run" / checkpoint.TOKENIZER_FILE).exists()
 
 
 def test_a_workdir_without_config_but_with_checkpoints_is_described_truly(tmp_path):

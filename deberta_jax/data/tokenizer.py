@@ -40,7 +40,7 @@ class SpecialIds:
             token_id = tokenizer.token_to_id(token)
             if token_id is None:
                 raise ValueError(
-                    f"tokenizer has no {token} token; train it with deberta_jax.tokenizer.train_tokenizer, "
+                    f"tokenizer has no {token} token; train it with deberta_jax.data.tokenizer.train_tokenizer, "
                     f"which adds {', '.join(SPECIAL_TOKENS)}"
                 )
             ids.append(token_id)
@@ -149,7 +149,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     path = storage.path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"tokenizer file {path} not found; train one with deberta_jax.tokenizer.train_tokenizer "
+            f"tokenizer file {path} not found; train one with deberta_jax.data.tokenizer.train_tokenizer "
             "and save it with save_tokenizer"
         )
     try:

@@ -102,6 +102,13 @@ def clear_interrupted_saves(workdir: str | Path) -> list[str]:
     return removed
 
 
+def has_checkpoints(workdir: str | Path) -> bool:
+    """Whether `workdir/checkpoints` holds a step folder, committed or not: a run has saved there, so the workdir's
+    config and tokenizer are those of its parameters."""
+    root = storage.path(workdir) / CHECKPOINT_DIR
+    return root.is_dir() and any(p.name.isdigit() for p in root.iterdir())
+
+
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> storage.AnyPath:
     return storage.path(manager.directory) / str(step)
 
