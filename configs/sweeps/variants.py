@@ -63,7 +63,13 @@ def eval_settings(data_files: dict, **changes) -> config_dict.ConfigDict:
 
 def shrink_to_smoke(sweep: config_dict.ConfigDict, **model) -> None:
     """Make `sweep` train and evaluate in seconds, for tests of a config and of the runner: a one-layer 32-wide
-    encoder (plus `model` changes), 4 steps at length 16, evaluated at 1x and 2x on 3,000 tokens."""
+    encoder (plus `model` changes), 4 steps at length 16, evaluated at 1x and 2x on 3,000 tokens.
+
+    A smoke run never writes into committed results: its runs and report go to `<workdir_root>-smoke/` under the
+    git-ignored runs/, away from the full sweep's workdirs and from the report_dir whose REPORT describes the full
+    recipe. Call it after setting both."""
+    sweep.workdir_root += "-smoke"
+    sweep.report_dir = f"{sweep.workdir_root}/report"
     sweep.seq_lens = [16]
     sweep.common_overrides.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64, **model))
     sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,

@@ -95,7 +95,13 @@ def train_all(runs: list[dict]) -> None:
             print(f"[{i}/{len(runs)}] {run['name']}: finished, skipped", flush=True)
             continue
         print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(run['command'])}", flush=True)
-        subprocess.run(run["command"], check=True)
+        try:
+            subprocess.run(run["command"], check=True)
+        except subprocess.CalledProcessError as err:  # train.py has said why on its own stderr, just above
+            raise ChildProcessError(
+                f"run {run['name']} failed (exit status {err.returncode}; its message is above): "
+                f"{shlex.join(run['command'])}. Fix the cause and run the sweep again: finished runs are skipped, "
+                "this one resumes") from None
 
 
 def code_version(report_dir: str) -> str:
@@ -213,7 +219,7 @@ def main(argv):
     runs = planned_runs(sweep)
     if FLAGS.mode == "print":
         for run in runs:
-            print(shlex.join(run["command"][1:]))
+            print(shlex.join(run["command"]))  # with this interpreter: runs as printed from the repository root
         return
     # One sweep per workdir root (each run's train.py also locks its own workdir).
     with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):

@@ -1,15 +1,20 @@
 """Ablation sweep: every variant of the ablation config trains and extrapolates; the runner skips finished runs."""
 
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 from ml_collections import config_dict
 
 import train
 from configs import bert, deberta
-from configs.sweeps import ablation
+from configs.sweeps import ablation, natural, synthetic
+from deberta_jax.data import errors
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
-from tests.helpers import write_brown_slices
+from tests.helpers import REPO, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
 
@@ -63,6 +68,37 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: launched.append(command))
     sweep.train_all(runs)
     assert launched == [runs[1]["command"]]
+
+
+@pytest.mark.parametrize("module, smoke, full", [(ablation, "smoke", "cpu"), (natural, "smoke", ""),
+                                                 (synthetic, "markov,smoke", "markov")])
+def test_a_smoke_sweep_never_writes_into_committed_results(module, smoke, full):
+    """Its 4-step numbers under a REPORT describing the full recipe would replace the committed ones."""
+    plan, full_plan = module.get_config(smoke), module.get_config(full)
+    assert plan.workdir_root != full_plan.workdir_root
+    for path in (plan.report_dir, plan.workdir_root):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0, path
+
+
+def test_printed_commands_run_as_printed_from_the_repository_root():
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep",
+                             "configs/sweeps/ablation.py:smoke", "--mode", "print"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for line in result.stdout.splitlines():
+        program, script, *_ = shlex.split(line)
+        assert shutil.which(program) and (REPO / script).is_file(), line
+
+
+def test_a_failed_run_is_named_with_its_command_in_one_line(tmp_path):
+    """What the sweep's argument errors (passed on to train.py) and failed runs end in."""
+    command = [sys.executable, "-c", "raise SystemExit(3)"]
+    with pytest.raises(ChildProcessError) as info:
+        sweep.train_all([dict(name="bert-L16-s0", workdir=str(tmp_path / "run"), command=command, num_steps=4)])
+    assert isinstance(info.value, errors.USER_ERRORS)  # reported as one line, without a traceback
+    message = str(info.value)
+    assert "\n" not in message and "run bert-L16-s0 failed (exit status 3" in message
+    assert shlex.join(command) in message
 
 
 @pytest.mark.long
