@@ -79,6 +79,9 @@ def summarize(table: pd.DataFrame) -> dict:
 
 def write_rate_report(paths: list[str], run: str, baseline: str, out_dir: str, margin: float = DEFAULT_MARGIN) -> str:
     """Writes rate.md, rate.json and gap_vs_step.png for the curves files `paths`; returns the Markdown."""
+    if not margin > 0:  # at 0 or below, a seed level with or worse than its baseline would count as leaving it
+        raise ValueError(f"--margin={margin:g}: a seed leaves its baseline's plateau only by going below it; give a "
+                         f"positive number of nats (default {DEFAULT_MARGIN:g})")
     seeds = [read_curves(path, run, baseline) for path in paths]
     table = seed_table(seeds, margin)
     summary = summarize(table)
@@ -118,7 +121,7 @@ def define_flags() -> None:
     flags.DEFINE_string("run", "bert", "Label of the model with positions in every curves file.")
     flags.DEFINE_string("baseline", "nope", "Label of the same model without positions.")
     flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
-    flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the baseline that count as leaving its plateau.")
+    flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats (> 0) below the baseline that count as leaving its plateau.")
 
 
 def main(argv):

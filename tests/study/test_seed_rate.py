@@ -25,6 +25,16 @@ def test_escape_is_the_first_shared_step_a_margin_below_the_baseline():
     assert seed_rate.escape_step({250: 6.45, 500: 6.35, 750: 6.39, 1000: 6.35}, baseline, 0.1) is None
     # A step only the run logged is not compared.
     assert seed_rate.escape_step({100: 1.0, 1000: 6.2}, baseline, 0.1) == 1000
+    # "At least margin below": exactly margin below escapes (6.5 - 0.25 is exact in binary).
+    assert seed_rate.escape_step({250: 6.25}, {250: 6.5}, 0.25) == 250
+
+
+@pytest.mark.parametrize("margin", [-0.5, 0.0])
+def test_a_margin_that_counts_a_seed_not_below_its_baseline_is_refused(tmp_path, margin):
+    worse = write_curves(tmp_path / "a.json", 0, {250: 6.6}, {250: 6.4})
+    with pytest.raises(ValueError, match=rf"^--margin={margin:g}: .* give a positive number of nats"):
+        seed_rate.write_rate_report([worse], "bert", "nope", str(tmp_path / "out"), margin)
+    assert not (tmp_path / "out").exists()
 
 
 def test_rate_report_counts_seeds_and_gives_the_exact_binomial_interval(tmp_path):
