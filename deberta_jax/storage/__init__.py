@@ -3,14 +3,15 @@
 A TPU pod's hosts share nothing but a bucket, so a run's workdir, its corpora and the outputs of evaluation and
 export may all live there. `path` turns what the user typed into the one type the project passes around: a
 `pathlib.Path` for a local path (so local behaviour is exactly what it always was) and an `etils.epath.Path` for
-a URL, which speaks the same pathlib API through fsspec (gcsfs for `gs://`, s3fs for `s3://`) and which orbax
-takes as a checkpoint directory. The few operations where object storage differs from a disk are here, once:
+a URL, which speaks the same pathlib API through fsspec (gcsfs for `gs://`; `s3://` needs s3fs installed, and
+its workdirs cannot be locked: the lock below needs GCS's generations) and which orbax takes as a checkpoint
+directory. The few operations where object storage differs from a disk are here, once:
 
   * no atomic rename: `write_bytes` / `replacing` write a local file under a temporary name and rename it, but
     upload an object in one request, which the store commits whole or not at all (a reader sees the old object
     or the new one, never part of one);
-  * no file locks: `create_new` (create only if absent, a generation precondition) and `Generation` (replace or
-    delete only the version one last saw) are what `train.workdir_lock` builds its lock from;
+  * no file locks: `create_new` (create only if absent, a generation precondition), `replace_version` and
+    `delete_version` (only the version one last saw) are what `train.workdir_lock` builds its lock from;
   * no cheap re-reading: `fingerprints` takes the checksums the store computed on upload from one listing
     instead of downloading every file;
   * more ways to fail: `StorageError` names the bucket and the fix in one line.

@@ -126,16 +126,16 @@ def _busy(workdir, holder: dict | None, detail: str = "") -> WorkdirBusyError:
         "checkpoints and metrics. Wait for it to finish (or stop it), or pass another --workdir.")
 
 
-def _parse(version: storage.Version) -> dict | None:
+def _parse(version: storage.Version) -> dict:
     try:
         return json.loads(version.data)
     except json.JSONDecodeError:
         return {"pid": "?", "raw": version.data[:200].decode("utf-8", "replace")}
 
 
-def _dead_here(holder: dict | None) -> bool:
+def _dead_here(holder: dict) -> bool:
     """The holder ran on this host and its process is gone: it will never renew."""
-    pid = holder.get("pid") if holder else None
+    pid = holder.get("pid")
     return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not atomic.running(pid)
 
 
@@ -175,8 +175,8 @@ def _object_lock(workdir, what: str, renew_every_s: float, stale_after_s: float)
                 logging.warning("could not renew the workdir lock %s: %s", lock, err)
                 continue
             if renewed is None:
-                holding.lost = (f"{lock} was taken over by another run after this one failed to renew it for "
-                                f"{stale_after_s:.0f} s; stopping so as not to write over that run's checkpoints")
+                holding.lost = (f"{lock} was taken over by another run (or deleted) after this one failed to renew it "
+                                f"for {stale_after_s:.0f} s; stopping so as not to write over that run's checkpoints")
                 logging.error("%s", holding.lost)
                 return
             generation = renewed

@@ -276,3 +276,13 @@ def test_the_bucket_lock_refuses_a_second_run_and_is_taken_over_when_its_holder_
         holder = json.loads(storage.read_text(f"{workdir}/{workdir_lock.LOCK_FILE}"))
         assert holder["pid"] == os.getpid()
     assert "another-vm" in caplog.text and "taking it over" in caplog.text
+    # A holder whose lock another run took over (it stalled past the staleness limit) stops before its next save.
+    lock = f"{workdir}/{workdir_lock.LOCK_FILE}"
+    with workdir_lock.hold(workdir, renew_every_s=0.2) as holding:
+        current = storage.read_version(lock)
+        assert storage.delete_version(lock, current.generation)
+        assert storage.create_new(lock, json.dumps(other).encode())
+        time.sleep(1)
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="was taken over by another run"):
+            holding.check()
+    assert json.loads(storage.read_text(lock))["host"] == "another-vm"  # the new holder's lock is left alone
