@@ -13,7 +13,9 @@ Workdirs, checkpoints, data files and --out may be in a bucket (`gs://bucket/...
 
 Writes to --out: results.json.gz (every record, long format; `report.load_results` reads it), summary.md (also
 printed), and PNG plots.
-Runs whose configs differ only in seed share a label; their mean and 95% interval are reported.
+Runs whose configs differ only in seed share a label; their mean and 95% interval are reported. A label is a model
+identity, so folders given twice, or sharing a label without being seeds of one model, are refused
+(`length_study.check_labels`).
 
 Several processes (--multiprocess, or JAX_COORDINATOR_ADDRESS set as for train.py) split the windows
 between them and add their sums, so the records are those of a single process; process 0 writes them.
@@ -163,6 +165,7 @@ def main(argv):
     datasets = {name: load_documents(spec) for name, spec in specs.items()}
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
                  if FLAGS[name].value is not None}
+    length_study.check_labels(FLAGS.workdir, FLAGS.hf_checkpoint)
     models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
     references = []
     if FLAGS.unigram and FLAGS.workdir:

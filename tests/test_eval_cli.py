@@ -93,6 +93,16 @@ def test_two_eval_files_with_one_label_are_refused(workdir, tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "out" / "results.json.gz").exists()
 
 
+def test_a_workdir_given_twice_is_refused_not_averaged_as_two_seeds(tmp_path):
+    """Checked before any model is loaded (`length_study.check_labels`, whose own test covers shared labels)."""
+    result = eval_py("--workdir", str(tmp_path / "run"), "--workdir", f"{tmp_path}/./run/", "--data_files",
+                     "synthetic:markov:test:docs=1,doc_len=50", "--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.startswith(f"eval.py: --workdir {tmp_path}/./run/ is given twice ({tmp_path / 'run'}): one "
+                                    "run scored twice would be averaged as two seeds with a zero-width interval")
+    assert "Traceback" not in result.stderr
+
+
 def test_eval_text_without_targets_is_refused_naming_it(workdir, tmp_path):
     """Targets are drawn for 15% of positions; one short word draws none, and a loss over 0 tokens is no result."""
     text = tmp_path / "tiny" / "valid.txt"

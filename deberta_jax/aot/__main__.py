@@ -87,6 +87,9 @@ def main(argv):
     unknown = sorted(set(FLAGS.programs) - set(build.PROGRAMS))
     if unknown:
         sys.exit(f"--programs: unknown {unknown}; choose from {list(build.PROGRAMS)}")
+    if FLAGS.length_multiple < 1:
+        sys.exit(f"--length_multiple={FLAGS.length_multiple}: the length forward is compiled at this multiple of "
+                 "config.data.seq_len, so it must be 1 or more")
     try:
         tpu = tpu_slice(FLAGS.topology, FLAGS.num_slices)
         reports = build.compile_run(config, tpu, programs=FLAGS.programs, length_multiple=FLAGS.length_multiple,

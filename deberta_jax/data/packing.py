@@ -202,6 +202,11 @@ def source_fingerprint(spec: str) -> object:
     return [storage.identity(path) for path in resolve_files(spec)]
 
 
+def same_source(a: str, b: str) -> bool:
+    """Whether two data specs name the same text, however spelled (`source_fingerprint`)."""
+    return a == b or source_fingerprint(a) == source_fingerprint(b)
+
+
 def cache_path(spec: str, tokenizer: Tokenizer, cache_dir: str | Path) -> Path:
     """Cache directory (a `store`) of the token stream of `spec`; any change to the files or the tokenizer gives a
     new name. The stream does not depend on the row length (rows are cut from it when read), so runs at every

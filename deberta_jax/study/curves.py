@@ -61,8 +61,8 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
         config = checkpoint.read_config(workdir)
         return {key: config_checks.get_field(config, key) for key in keys}
 
-    def same(key, a, b):  # data by the files it names, however spelled
-        return packing.source_fingerprint(a) == packing.source_fingerprint(b) if key in data_keys else a == b
+    def same(key, a, b):
+        return packing.same_source(a, b) if key in data_keys else a == b
 
     first_label, first = next(iter(workdirs.items()))
     reference = values(first)

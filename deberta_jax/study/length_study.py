@@ -24,11 +24,11 @@ from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.kernels import dense
 from deberta_jax.model import hf
-from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES
+from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, COMPUTATION_FIELDS, ModelConfig
 from deberta_jax.model.encoder import MaskedLM, with_options
-from deberta_jax.study import protocols, scoring
+from deberta_jax.study import protocols, report, scoring
 from deberta_jax.study.baselines import OracleModel, UnigramModel
-from deberta_jax.train import checkpoint
+from deberta_jax.train import checkpoint, config_checks
 
 # Ways of running a trained model past its training length, each a set of `ModelConfig` options that change no
 # parameter (`encoder.with_options`), made from the model's config; None where the method has nothing to act on.
@@ -74,6 +74,73 @@ def workdir_seed(workdir: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# Config fields that say how a run was executed, logged or checkpointed (or which folder held a file), not which
+# model it trained on which data: runs that share a label may differ in these besides `seed`. The held-out
+# eval_files only pick which checkpoint is "best"; a given tokenizer is compared by the workdir's own copy.
+RUN_ONLY_FIELDS = frozenset({
+    "seed", "data.cache_dir", "data.eval_files", "data.tokenizer", "mesh.fsdp", "train.grad_accum_steps",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every", "train.keep_checkpoints",
+    *(f"model.{name}" for name in COMPUTATION_FIELDS)})
+
+
+def _folder_key(folder: str) -> str:
+    """One spelling per folder (`runs/a`, `./runs/a/` and a link to it agree; a bucket's URL without its last /)."""
+    path = storage.path(folder)
+    return os.fspath(path).rstrip("/") if storage.is_remote(path) else str(path.resolve())
+
+
+def _identity_differences(first: str, other: str) -> list[str]:
+    """`config.<field> a vs b` for every difference between two workdirs' runs beyond `RUN_ONLY_FIELDS`
+    (training text compared by the files it names, however spelled), and their tokenizers'."""
+    differ = config_checks.differences(checkpoint.read_config(first), checkpoint.read_config(other))
+    out = [f"config.{key} {a!r} vs {b!r}" for key, (a, b) in differ.items() if key not in RUN_ONLY_FIELDS
+           and not (key == "data.train_files" and packing.same_source(a, b))]
+    tokenizers = [storage.read_text(storage.path(w) / checkpoint.TOKENIZER_FILE) for w in (first, other)]
+    return out + ([f"their {checkpoint.TOKENIZER_FILE}"] if tokenizers[0] != tokenizers[1] else [])
+
+
+def check_labels(workdirs: Sequence[str], checkpoints: Sequence[str] = ()) -> None:
+    """Refuses models that the report would average or show under one label without their being seeds of one model.
+
+    A label is a model identity: the report's mean and interval are over the runs that share it, taken as seeds.
+    So a folder is given once (twice, it would be two identical "seeds" with a zero-width interval); workdirs that
+    share a label (`run_label`) must have configs that differ only in `seed` and in `RUN_ONLY_FIELDS` and the same
+    tokenizer, and different seeds; a transformers checkpoint, which has no seed, and the references (unigram,
+    oracle) share their label with nothing. Raises ValueError naming both folders and what differs.
+    """
+    given = [("--workdir", w) for w in workdirs] + [("--hf_checkpoint", c) for c in checkpoints]
+    folders, labels = {}, {}
+    for flag, folder in given:
+        key = _folder_key(folder)
+        if key in folders:
+            raise ValueError(f"{flag} {folder} is given twice ({folders[key]}): one run scored twice would be averaged "
+                             "as two seeds with a zero-width interval; give each folder once")
+        folders[key] = folder
+        label = run_label(folder) if flag == "--workdir" else os.path.basename(os.path.normpath(folder))
+        if label in report.REFERENCES:
+            raise ValueError(f"{flag} {folder} would be reported as {label!r}, the name of a reference model; "
+                             "rename the folder")
+        labels.setdefault(label, []).append((flag, folder))
+    for label, members in labels.items():
+        (first_flag, first), *others = members
+        for flag, other in others:
+            both = f"{first_flag} {first} and {flag} {other} would both be reported as {label!r}, as seeds of one model"
+            if "--hf_checkpoint" in (first_flag, flag):
+                raise ValueError(f"{both}, but a transformers checkpoint has no seed; give one folder another name")
+            differ = _identity_differences(first, other)
+            if differ:
+                raise ValueError(f"{both}, but they differ in {'; '.join(differ)}: only runs that differ in seed "
+                                 "share a label, so give one folder another name")
+        seeds = {}
+        for _, folder in members:
+            seed = checkpoint.read_config(folder).seed
+            if seed in seeds:
+                raise ValueError(f"--workdir {seeds[seed]} and {folder} would both be reported as {label!r} and "
+                                 f"were both trained with seed {seed}: a repeated run is not another seed; give only "
+                                 "one of them")
+            seeds[seed] = folder
+
+
 def load_workdir_model(workdir: str, step: int | str | None = None, **overrides) -> EvalModel:
     """A trained run as an `EvalModel` (latest checkpoint, "best", or a step); `overrides` as in
     `checkpoint.load_workdir` (e.g. the attention kernel)."""
@@ -105,9 +172,19 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
                      model.cfg.max_position_embeddings)
 
 
+def _replaced_training_options(cfg: ModelConfig, options: dict) -> dict:
+    """`{field: (trained, new)}` for each option a length method would set on a model trained with another value
+    than `ModelConfig`'s default (e.g. its own attention window)."""
+    return {name: (getattr(cfg, name), value) for name, value in options.items()
+            if getattr(cfg, name) not in (value, ModelConfig.__dataclass_fields__[name].default)}
+
+
 def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[EvalModel]:
     """`models` followed by each trained model under each of `methods` (`LENGTH_METHODS`) that applies to it,
-    labelled `<label>+<method>`; the parameters are shared, not copied."""
+    labelled `<label>+<method>`; the parameters are shared, not copied.
+
+    A method adds to what the model was trained with and never replaces it: a model trained with a window of 4 run
+    with the method's window of L would be another model even at 1x, so that is refused (ValueError)."""
     out = list(models)
     for em in models:
         if not isinstance(em.model, MaskedLM):
@@ -118,6 +195,13 @@ def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[Ev
                 logging.info("%s: length method %r does not apply (attention=%r)", em.label, name,
                              em.model.cfg.attention)
                 continue
+            replaced = _replaced_training_options(em.model.cfg, options)
+            if replaced:
+                raise ValueError(
+                    f"methods: {em.label} was trained with "
+                    + ", ".join(f"{field}={trained!r}, which the length method {name!r} would replace with {new!r}"
+                                for field, (trained, new) in replaced.items())
+                    + f", changing the model even at its training length; leave {name} out of the methods for it")
             out.append(dataclasses.replace(em, label=f"{em.label}+{name}", model=with_options(em.model, **options)))
     return out
 
@@ -175,6 +259,12 @@ class StudySettings:
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
             raise ValueError("multiples must be positive")
+        if self.num_targets < 1:
+            raise ValueError(f"num_targets={self.num_targets}: the fixed-target protocol needs at least one target "
+                             "span; pass 1 or more")
+        if self.span < 0:
+            raise ValueError(f"span={self.span}: pass a span length in tokens, or 0 for a quarter of each training "
+                             "length")
         for m in self.methods:
             if m not in LENGTH_METHODS:
                 raise ValueError(f"methods: unknown length method {m!r}; choose from {tuple(LENGTH_METHODS)}")
@@ -355,8 +445,13 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                     desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
                     setting = protocols.Setting(corpus, eval_len, em.train_len, span, starts)
                     for protocol in chosen:
+                        scored = False
                         for offset, windows in protocol.windows(setting):
+                            scored = True
                             sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
                             records += [r for r in _records(em, sums, resamples, protocol=protocol.name, offset=offset,
                                                             **common) if protocol.per_position or r["bucket"] == "all"]
+                        if not scored:  # e.g. a fixed-target span longer than the window
+                            skipped.append(dict(model=em.label, seed=em.seed, **common, reason=(
+                                f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
     return add_relative_change(records), skipped

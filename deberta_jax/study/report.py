@@ -18,6 +18,7 @@ import gzip
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -74,7 +75,11 @@ def read_results_file(path: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"{file} not found: pass a {RESULTS_FILE} written by eval.py or the sweep, "
                                 "or the directory holding it (eval.py's --out)")
     content = storage.read_bytes(file)
-    data = json.loads(gzip.decompress(content) if file.name.endswith(".gz") else content)
+    try:
+        data = json.loads(gzip.decompress(content) if file.name.endswith(".gz") else content)
+    except (OSError, EOFError, zlib.error, ValueError) as err:  # gzip's BadGzipFile is an OSError
+        raise ValueError(f"{file} cannot be read ({err}): it is damaged or was cut short; write it again with "
+                         "eval.py or the sweep") from None
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise ValueError(f"{file} is not a results file: it needs a 'records' list, as eval.py and the sweep write")
     return dict(records=data["records"], skipped=data.get("skipped", []), notes=data.get("notes", []))

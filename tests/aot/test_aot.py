@@ -155,6 +155,17 @@ def test_suite_runs_on_cpu_jax():
     assert jax.default_backend() == "cpu"
 
 
+def test_command_refuses_a_length_multiple_below_one_in_one_line():
+    multiple = "0"  # the ZeroDivisionError of the length forward's batch; -2, a math domain error
+    result = subprocess.run(
+        [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/bert.py:micro", "--topology", "v5e:2x2",
+         f"--length_multiple={multiple}"],
+        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"--length_multiple={multiple}: the length forward is compiled at this multiple "
+                                     "of config.data.seq_len, so it must be 1 or more")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 def test_fused_tpu_kernel_compiles_into_the_train_step(topology):

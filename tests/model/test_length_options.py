@@ -214,3 +214,13 @@ def test_the_study_scores_each_method_that_applies_as_its_own_model():
                       "bert+log_length", "bert+window"]
     with pytest.raises(ValueError, match="unknown length method"):
         length_study.StudySettings(methods=("stretch",))
+
+
+def test_a_method_never_replaces_what_the_model_was_trained_with():
+    """A window of L over a model trained with a window of 4 would be another model even at 1x."""
+    windowed = MaskedLM(ModelConfig(**dict(SCHEMES["deberta"], attention_window=4)), rngs=nnx.Rngs(0))
+    models = [length_study.EvalModel("local", 0, "local", windowed, None, TRAIN_LEN)]
+    with pytest.raises(ValueError, match=r"methods: local was trained with attention_window=4, which the length "
+                                         r"method 'window' would replace with 16, changing the model even at its"):
+        length_study.with_methods(models, ("window",))
+    assert [em.label for em in length_study.with_methods(models, ("log_length",))] == ["local", "local+log_length"]

@@ -1,6 +1,7 @@
 """Length-extrapolation evaluation: fixed targets, window layouts, policies, outputs, bad input."""
 
 import gzip
+import json
 import math
 
 import jax
@@ -183,6 +184,63 @@ def test_bad_settings_and_short_text_fail_clearly(tok):
     with pytest.raises(ValueError, match="shorter than the longest eval length"):
         length_study.run_study(models, {"d": ["just a few words here"]},
                                length_study.StudySettings(protocols=("chunked",)))
+
+
+def test_fixed_target_settings_that_give_no_targets_are_refused():
+    with pytest.raises(ValueError, match="num_targets=0: the fixed-target protocol needs at least one target span"):
+        length_study.StudySettings(num_targets=0)
+    with pytest.raises(ValueError, match="span=-2: pass a span length in tokens"):
+        length_study.StudySettings(span=-2)
+
+
+def test_a_span_longer_than_a_window_is_listed_as_not_evaluated(tok, docs):
+    """The 1x window cannot hold a span of 20: that row is under "Not evaluated", not silently missing."""
+    models = [length_study.EvalModel("deb", 0, "w", tiny(tok, num_layers=1), tok, 16)]
+    settings = length_study.StudySettings(lengths=(16, 32), protocols=("fixed_target",), span=20, num_targets=2,
+                                          bootstrap=10)
+    records, skipped = length_study.run_study(models, {"d": docs}, settings)
+    assert {r["eval_len"] for r in records} == {32}
+    assert [(s["eval_len"], s["reason"]) for s in skipped] == [
+        (16, "fixed_target: no window of 16 tokens holds a target span of 20")]
+    assert "- deb / none at length 16: fixed_target: no window" in report.markdown_summary(records, skipped)
+
+
+def _workdir(root, name, family="deberta", tokenizer="{}", **changes):
+    """A folder with what `check_labels` reads of a workdir: config.json and tokenizer.json."""
+    from configs import bert, deberta
+
+    config = {"deberta": deberta, "bert": bert}[family].get_config("micro")
+    config.update_from_flattened_dict(changes)
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    (folder / "tokenizer.json").write_text(tokenizer)
+    return str(folder)
+
+
+def test_a_label_is_one_model_whose_runs_differ_only_in_seed(tmp_path):
+    seeds = [_workdir(tmp_path, "deb-s0"), _workdir(tmp_path / "x", "deb-s1", seed=1, **{
+        "data.cache_dir": "elsewhere", "train.log_every": 1, "model.attention_kernel": "blockwise"})]
+    length_study.check_labels(seeds)
+    with pytest.raises(ValueError, match=f"--workdir {seeds[0]}/ is given twice .*zero-width interval"):
+        length_study.check_labels([seeds[0], seeds[0] + "/"])
+    steps = _workdir(tmp_path / "y", "deb-s2", seed=2, **{"train.num_steps": 7})
+    with pytest.raises(ValueError, match=f"--workdir {seeds[0]} and --workdir {steps} would both be reported as "
+                                         r"'deb', .* differ in config.train.num_steps 100 vs 7: only runs"):
+        length_study.check_labels([*seeds, steps])
+    bert = _workdir(tmp_path / "z", "deb-s3", family="bert", seed=3)
+    with pytest.raises(ValueError, match="config.model.attention 'disentangled' vs 'entangled'"):
+        length_study.check_labels([seeds[0], bert])
+    other_tokenizer = _workdir(tmp_path / "t", "deb-s4", tokenizer='{"other": 1}', seed=4)
+    with pytest.raises(ValueError, match="differ in their tokenizer.json"):
+        length_study.check_labels([seeds[0], other_tokenizer])
+    again = _workdir(tmp_path / "copy", "deb-s0")
+    with pytest.raises(ValueError, match="were both trained with seed 0: a repeated run is not another seed"):
+        length_study.check_labels([seeds[0], again])
+    with pytest.raises(ValueError, match="a transformers checkpoint has no seed"):
+        length_study.check_labels([seeds[0]], [str(tmp_path / "hub" / "deb")])
+    with pytest.raises(ValueError, match="'oracle', the name of a reference model"):
+        length_study.check_labels([_workdir(tmp_path, "oracle")])
 
 
 def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, tmp_path):

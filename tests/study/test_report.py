@@ -110,6 +110,10 @@ def test_load_results_names_the_file_and_the_fix(tmp_path):
     (tmp_path / "results.json.gz").write_bytes(gzip.compress(json.dumps({"curves": {}}).encode()))
     with pytest.raises(ValueError, match="is not a results file: it needs a 'records' list"):
         report.load_results(tmp_path)
+    for damaged in (gzip.compress(b'{"records": [')[:-9], b"not gzip", gzip.compress(b'{"records": [')):
+        (tmp_path / "results.json.gz").write_bytes(damaged)  # cut short, not gzip'd, truncated JSON
+        with pytest.raises(ValueError, match=f"{tmp_path}/results.json.gz cannot be read .*damaged or was cut short"):
+            report.load_results(tmp_path)
     broken = record("a", 0, 8, 1.0)
     del broken["train_len"]
     with pytest.raises(ValueError, match="results column 'train_len' cannot be read as int64"):
