@@ -117,7 +117,7 @@ def main():
                 manager.close()
                 print(json.dumps({
                     "size": size, "storage": kind, "where": roots[kind] if kind == "bucket" else "local disk",
-                    "checkpoint_mb": round(size_mb, 1),
+                    "checkpoint_mb": round(size_mb, 3),
                     "save_s": round(statistics.median(times[kind]["save_s"]), 3),
                     "restore_s": round(statistics.median(times[kind]["restore_s"]), 3),
                     "step_s": round(step_s, 4),

@@ -87,3 +87,16 @@ def test_tpu_attention_benchmark_compiles_the_fused_kernels(tmp_path):
     # The kernels' cost estimates reach XLA's analysis: DeBERTa's position products cost more than BERT's tile.
     assert deberta["gflops"] > 2 * bert["gflops"] > 0
     assert deberta["gathers"] <= 2 and bert["gathers"] == 0  # only the per-distance table expansions
+
+
+def test_checkpoint_storage_benchmark_times_the_same_checkpoint_on_disk_and_in_a_bucket():
+    """Against the GCS server the script starts itself: one line per storage, the same checkpoint in both."""
+    out = run_script("checkpoint_storage.py", "--sizes", "micro", "--rounds", "1", "--every", "1", "--batch", "2")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(row["size"], row["storage"]) for row in rows] == [("micro", "local"), ("micro", "bucket")]
+    local, remote = rows
+    assert remote["where"].startswith("gs://")
+    # The same arrays in both places; only the digest record differs (SHA-256 hex against MD5 base64).
+    assert remote["checkpoint_mb"] == pytest.approx(local["checkpoint_mb"], rel=0.02) and local["checkpoint_mb"] > 0
+    for row in rows:
+        assert row["save_s"] > 0 and row["restore_s"] > 0 and row["step_s_checkpoint_every_1"] > row["step_s"] > 0
