@@ -144,3 +144,18 @@ def test_model_with_the_tpu_kernel_equals_the_dense_one():
     # Per parameter, relative to its largest gradient entry (embedding gradients reach ~10; observed ~1e-6).
     for got, want in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[0][1])):
         assert max_error(got, want) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
+
+
+def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence():
+    """The head's table gradients accumulate over every sequence and tile pair and are written out at the head's
+    last step: with a last sequence that ends in real tokens (only the first is padded), that last pair, the last
+    query tile against the last key tile of the last sequence, has keys that get a gradient, so dropping its share
+    shows. One head, tiles of 8 over 20 positions (the last tile half real)."""
+    terms, v, _ = table_inputs(("c2p", "p2c"), R // 2, n=20, b=2, h=1)
+    key_mask = jnp.ones((2, 20), jnp.int32).at[0, 13:].set(0)
+    out, grads = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=8), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    assert max_error(out, want_out) < 2e-6
+    assert max_error(grads[0].pos_key, want_grads[0].pos_key) < 3e-6
+    assert max_error(grads[0].pos_query, want_grads[0].pos_query) < 3e-6
+    assert max_error(grads, want_grads) < 3e-6

@@ -100,3 +100,23 @@ def test_the_model_reads_interpolated_rows_at_the_stretched_positions():
     table = np.asarray(model.embeddings.position_embeddings[...])
     np.testing.assert_allclose(rows[::2], table[:6], atol=1e-6)
     np.testing.assert_allclose(rows[1], (table[0] + table[1]) / 2, atol=1e-6)
+
+
+# Distances -11..11 of a 12-token sequence interpolated to a training length of 4 (scale 1/3), rounded to the
+# nearest integer by hand: k/3 is never a tie, and truncation (towards zero) or flooring differs at two of every three.
+THIRDS = [-4, -3, -3, -3, -2, -2, -2, -1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+
+
+def test_interpolated_distances_are_rounded_to_the_nearest_integer():
+    cfg = ModelConfig(relative_position_policy="interpolate", trained_length=4, max_position_embeddings=16)
+    scale = cfg.distance_scale(12)
+    assert scale == pytest.approx(1 / 3)
+    np.testing.assert_array_equal(positions.scaled_distances(12, 12, scale), THIRDS)
+    # The relative-table row of each distance (exact distances: row = distance + max_relative_positions) ...
+    index = positions.relative_index_by_distance(12, 12, position_buckets=0, max_relative_positions=8, scale=scale)
+    np.testing.assert_array_equal(index, np.asarray(THIRDS) + 8)
+    # ... and T5's bucket of each (8 buckets: distances below 2 each their own bucket, then log-spaced).
+    table = jnp.arange(8, dtype=jnp.float32)[:, None]  # bucket b holds b: the bias is the bucket
+    bias = np.asarray(positions.t5_bias(table, 12, 12, max_distance=16, scale=scale))[0]
+    np.testing.assert_array_equal(bias, positions.t5_relative_bucket(np.asarray(THIRDS), 8, 16))
+    assert len(set(bias[:11])) > 1  # the left-hand distances land in more than one bucket: the test can tell
