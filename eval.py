@@ -11,8 +11,10 @@ combinations a policy refuses are listed under "Not evaluated" rather than given
 
 Workdirs, checkpoints, data files and --out may be in a bucket (`gs://bucket/...`), as on a TPU pod's hosts.
 
-Writes to --out: results.json.gz (every record, long format; `report.load_results` reads it), summary.md (also
-printed), and PNG plots.
+Writes to --out: results.json.gz (every record, long format, with each workdir's checkpoint step;
+`report.load_results` reads it), summary.md (also printed), and PNG plots (an earlier evaluation's plots there that
+this one does not redraw are removed). Progress goes to stderr: one bar on a terminal, a line per model, policy,
+dataset and length otherwise; the checkpoint libraries' INFO records are left out.
 Runs whose configs differ only in seed share a label; their mean and 95% interval are reported. A label is a model
 identity, so folders given twice, or sharing a label without being seeds of one model, are refused
 (`length_study.check_labels`).
@@ -30,7 +32,7 @@ from typing import NoReturn
 import jax
 from absl import app, flags
 
-from deberta_jax import storage
+from deberta_jax import library_logs, storage
 from deberta_jax.data import errors, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
@@ -140,6 +142,7 @@ def _ints(flag: str) -> tuple[int, ...]:
 
 def main(argv):
     del argv
+    library_logs.quiet()
     sharding.initialize_distributed(FLAGS.multiprocess)
     is_main = jax.process_index() == 0
     if not FLAGS.workdir and not FLAGS.hf_checkpoint:

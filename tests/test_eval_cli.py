@@ -48,6 +48,12 @@ def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_
     assert {n for _, n in loss} == {32, 64}
     assert loss["oracle", 32] < loss["unigram", 32] - 1.0
     assert any(r["metric"] == "gap_closed" for r in records)
+    # The checkpoint scored is named; progress off a terminal is a line per unit, without the checkpoint
+    # library's INFO records.
+    assert {r["step"] for r in records if r["model"] == "run" and r["seed"] != "mean"} == {4}
+    assert "Checkpoints scored: run (seed 0): step 4." in (tmp_path / "summary.md").read_text()
+    assert "scoring 1/6: run on synthetic:markov:test:docs=3,doc_len=300 at N=32" in result.stderr
+    assert "CheckpointManager created" not in result.stderr
 
 
 def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(workdir, tmp_path):

@@ -13,11 +13,14 @@ import dataclasses
 import math
 import os
 import re
+import sys
+import time
 from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
 from absl import logging
+from tqdm import tqdm
 
 from deberta_jax import storage
 from deberta_jax.data import packing, synthetic, targets
@@ -57,6 +60,7 @@ class EvalModel:
     tokenizer: object
     train_len: int
     dataset: str | None = None  # score only this dataset (an oracle knows one task); None: every dataset
+    step: int | None = None  # the checkpoint step of a workdir's model; None for others
 
 
 # The seed suffix of a workdir name (`<variant>-L<len>-s<seed>`, as the sweep runner names them).
@@ -143,9 +147,11 @@ def check_labels(workdirs: Sequence[str], checkpoints: Sequence[str] = ()) -> No
 
 def load_workdir_model(workdir: str, step: int | str | None = None, **overrides) -> EvalModel:
     """A trained run as an `EvalModel` (latest checkpoint, "best", or a step); `overrides` as in
-    `checkpoint.load_workdir` (e.g. the attention kernel)."""
+    `checkpoint.load_workdir` (e.g. the attention kernel). The step is resolved first, so the results can name the
+    checkpoint they scored."""
+    step = checkpoint.select_step(checkpoint.checkpoint_manager(workdir, read_only=True), step, workdir)
     config, model, tokenizer = checkpoint.load_workdir(workdir, step, **overrides)
-    return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len))
+    return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len), step=step)
 
 
 def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
@@ -207,10 +213,18 @@ def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[Ev
 
 
 def unigram_reference(em: EvalModel) -> EvalModel:
-    """The unigram floor for a trained run: counts from its own training files and tokenizer."""
+    """The unigram floor for a trained run: counts from its own training files and tokenizer. Those files are
+    the ones its config.json names, not any path the user gave the evaluation, so a missing one is reported as
+    such."""
     config = checkpoint.read_config(em.source)
-    packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len),
-                                  config.data.cache_dir)
+    try:
+        packed = packing.load_or_pack(config.data.train_files, em.tokenizer, int(config.data.seq_len),
+                                      config.data.cache_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the unigram floor counts the training files that {em.source}'s {checkpoint.CONFIG_FILE} names "
+            f"(data.train_files={config.data.train_files!r}), and they are not all there; restore them, or leave the "
+            "floor out (eval.py --unigram=false)") from None
     # The memory-mapped token stream (every content token once, [SEP] between documents, whose counts the
     # model ignores), counted without building the rows.
     unigram = UnigramModel(packed.tokens, em.tokenizer.get_vocab_size(), SpecialIds.from_tokenizer(em.tokenizer))
@@ -306,7 +320,7 @@ def refusal(model, policy: str, eval_len: int) -> str | None:
 
 def _records(em: EvalModel, sums: scoring.Sums, resamples: np.ndarray, **key) -> list[dict]:
     """Overall loss/accuracy/perplexity with bootstrap intervals, plus loss/accuracy per position bucket."""
-    base = dict(model=em.label, seed=em.seed, source=em.source, train_len=em.train_len,
+    base = dict(model=em.label, seed=em.seed, source=em.source, step=em.step, train_len=em.train_len,
                 multiple=key["eval_len"] / em.train_len, **key)
     out = []
     for metric, num, transform in (("loss", sums.loss_doc, None), ("accuracy", sums.correct_doc, None),
@@ -384,6 +398,39 @@ def check_dense_memory(models: Sequence[EvalModel], settings: StudySettings, ava
                     "--attention_kernel blockwise (same results, memory linear in length), or evaluate shorter lengths")
 
 
+class Progress:
+    """The study's progress over its units of work (a model under one policy on one dataset at one length).
+
+    On a terminal, one bar over them all, described by the unit being scored; elsewhere (a log file, a pipe, a
+    notebook's captured stderr), where a bar shows nothing until it ends, a line per unit scored with the time so
+    far. Only process 0 reports, since every process scores every unit.
+    """
+
+    def __init__(self, total: int, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+        self.silent = jax.process_index() != 0
+        self.bar = (tqdm(total=total, file=self.stream, unit="length", dynamic_ncols=True)
+                    if not self.silent and self.stream.isatty() else None)
+
+    def advance(self) -> None:
+        """Counts the unit about to be scored or skipped (the bar shows the units begun)."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+
+    def scoring(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(what)
+        elif not self.silent:
+            print(f"scoring {self.done}/{self.total}: {what} ({time.perf_counter() - self.started:.0f} s so far)",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
               corpora: dict | None = None, warnings: list[str] | None = None):
     """Score every model on every dataset; returns (records, skipped).
@@ -399,59 +446,68 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     note = unpaired_note((f"{em.label} (seed {em.seed})", em.tokenizer.to_str()) for em in models)
     if note:
         logging.warning("%s", note)
-    for em in models:
-        lengths = settings.lengths_for(em.train_len)
-        bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)
-        span = settings.span or max(em.train_len // 4, 1)
-        for dataset, documents in datasets.items():
-            if em.dataset not in (None, dataset):
-                continue
-            key = (dataset, em.tokenizer.to_str())
-            if key not in corpora:
-                corpus = targets.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
-                if settings.max_eval_tokens:
-                    corpus = targets.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
-                                                        corpus.special, settings.mask_seed)
-                corpora[key] = corpus
-            corpus = corpora[key]
-            unknown = float(np.mean(corpus.tokens == corpus.special.unk))
-            if unknown > UNKNOWN_TOKEN_WARNING:
-                warning = (f"{dataset}: {100 * unknown:.1f}% of its tokens are [UNK] under {em.label}'s tokenizer, "
-                           "whose vocabulary does not cover this text; its scores measure a text the model cannot read")
-                logging.warning("%s", warning)
-                if warnings is not None:
-                    warnings.append(warning)
-            if not corpus.targets.any():
-                raise ValueError(
-                    f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss would "
-                    "be 0 over 0 tokens; give more evaluation text")
-            if len(corpus.tokens) < max(lengths) - 2:
-                raise ValueError(
-                    f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
-                    f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
-            resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
-            chosen = [protocols.get(name) for name in settings.protocols]
-            starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
-                      if any(p.needs_starts for p in chosen) else None)
-            for policy in policies_for(em.model, settings.policies):
-                scorer = scorer_for(em.model, policy)
-                for eval_len in lengths:
-                    reason = refusal(em.model, policy, eval_len)
-                    common = dict(policy=policy, dataset=dataset, eval_len=eval_len)
-                    if reason:
-                        skipped.append(dict(model=em.label, seed=em.seed, **common, reason=reason))
-                        continue
-                    batch = max(1, settings.tokens_per_batch // eval_len)
-                    desc = f"{em.label}/{policy}/{dataset}/N={eval_len}"
-                    setting = protocols.Setting(corpus, eval_len, em.train_len, span, starts)
-                    for protocol in chosen:
-                        scored = False
-                        for offset, windows in protocol.windows(setting):
-                            scored = True
-                            sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
-                            records += [r for r in _records(em, sums, resamples, protocol=protocol.name, offset=offset,
-                                                            **common) if protocol.per_position or r["bucket"] == "all"]
-                        if not scored:  # e.g. a fixed-target span longer than the window
-                            skipped.append(dict(model=em.label, seed=em.seed, **common, reason=(
-                                f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
+    progress = Progress(sum(len(policies_for(em.model, settings.policies)) * len(settings.lengths_for(em.train_len))
+                            for em in models for dataset in datasets if em.dataset in (None, dataset)))
+    try:  # one `progress` unit per model, policy, dataset and length
+        for em in models:
+            lengths = settings.lengths_for(em.train_len)
+            bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)
+            span = settings.span or max(em.train_len // 4, 1)
+            for dataset, documents in datasets.items():
+                if em.dataset not in (None, dataset):
+                    continue
+                key = (dataset, em.tokenizer.to_str())
+                if key not in corpora:
+                    corpus = targets.build_corpus(documents, em.tokenizer, seed=settings.mask_seed)
+                    if settings.max_eval_tokens:
+                        corpus = targets.corpus_from_stream(corpus.tokens[: settings.max_eval_tokens],
+                                                            corpus.special, settings.mask_seed)
+                    corpora[key] = corpus
+                corpus = corpora[key]
+                unknown = float(np.mean(corpus.tokens == corpus.special.unk))
+                if unknown > UNKNOWN_TOKEN_WARNING:
+                    warning = (f"{dataset}: {100 * unknown:.1f}% of its tokens are [UNK] under {em.label}'s "
+                               "tokenizer, whose vocabulary does not cover this text; its scores measure a text the "
+                               "model cannot read")
+                    logging.warning("%s", warning)
+                    if warnings is not None:
+                        warnings.append(warning)
+                if not corpus.targets.any():
+                    raise ValueError(
+                        f"{dataset}: the text yields no masked targets ({len(corpus.tokens)} tokens), so every loss "
+                        "would be 0 over 0 tokens; give more evaluation text")
+                if len(corpus.tokens) < max(lengths) - 2:
+                    raise ValueError(
+                        f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
+                        f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
+                resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
+                chosen = [protocols.get(name) for name in settings.protocols]
+                starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
+                          if any(p.needs_starts for p in chosen) else None)
+                for policy in policies_for(em.model, settings.policies):
+                    scorer = scorer_for(em.model, policy)
+                    for eval_len in lengths:
+                        progress.advance()
+                        reason = refusal(em.model, policy, eval_len)
+                        common = dict(policy=policy, dataset=dataset, eval_len=eval_len)
+                        if reason:
+                            skipped.append(dict(model=em.label, seed=em.seed, **common, reason=reason))
+                            continue
+                        batch = max(1, settings.tokens_per_batch // eval_len)
+                        desc = f"{em.label}{'' if policy == 'none' else f' ({policy})'} on {dataset} at N={eval_len}"
+                        progress.scoring(desc)
+                        setting = protocols.Setting(corpus, eval_len, em.train_len, span, starts)
+                        for protocol in chosen:
+                            scored = False
+                            for offset, windows in protocol.windows(setting):
+                                scored = True
+                                sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
+                                records += [r for r in _records(em, sums, resamples, protocol=protocol.name,
+                                                                offset=offset, **common)
+                                            if protocol.per_position or r["bucket"] == "all"]
+                            if not scored:  # e.g. a fixed-target span longer than the window
+                                skipped.append(dict(model=em.label, seed=em.seed, **common, reason=(
+                                    f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
+    finally:
+        progress.close()
     return add_relative_change(records), skipped

@@ -23,19 +23,20 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-from absl import app
+from absl import app, logging
 from scipy import stats
 
 from deberta_jax import storage
 from deberta_jax.study import protocols
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
-FIELDS = ("model", "seed", "source", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
+FIELDS = ("model", "seed", "source", "step", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
           "offset", "bucket", "metric", "value", "ci_low", "ci_high", "n_tokens", "n_seeds")
-# `seed` holds run seeds and labels ("mean", "-" for references); `bucket` is a position or "all".
-_DTYPES = {"seed": object, "train_len": "int64", "eval_len": "int64", "multiple": "float64", "offset": "Int64",
-           "bucket": object, "value": "float64", "ci_low": "float64", "ci_high": "float64", "n_tokens": "int64",
-           "n_seeds": "Int64"}
+# `seed` holds run seeds and labels ("mean", "-" for references); `step` the checkpoint step a workdir's model was
+# loaded from (missing for references, transformers checkpoints and mean rows); `bucket` is a position or "all".
+_DTYPES = {"seed": object, "step": "Int64", "train_len": "int64", "eval_len": "int64", "multiple": "float64",
+           "offset": "Int64", "bucket": object, "value": "float64", "ci_low": "float64", "ci_high": "float64",
+           "n_tokens": "int64", "n_seeds": "Int64"}
 CONFIDENCE = 0.95
 REFERENCES = ("unigram", "oracle")
 RESULTS_FILE = "results.json.gz"
@@ -128,7 +129,7 @@ def aggregate_seeds(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
     half = t_half_width(groups["value"].transform("std"), n)  # NaN for a single run
     sources = [";".join(sorted(map(str, s))) for s in groups["source"].unique()]
     merged = frame.assign(
-        seed="mean", value=mean, n_tokens=groups["n_tokens"].transform("sum"), n_seeds=n,
+        seed="mean", step=pd.NA, value=mean, n_tokens=groups["n_tokens"].transform("sum"), n_seeds=n,
         source=[sources[i] for i in groups.ngroup()],
         ci_low=np.where(several, mean - half, frame["ci_low"]),
         ci_high=np.where(several, mean + half, frame["ci_high"]))
@@ -193,18 +194,77 @@ def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict
 
 def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
                  notes: Sequence[str] = ()) -> tuple[pd.DataFrame, str, list[str]]:
-    """Per-seed records -> results files, `summary.md` (with `notes` as warnings at its top) and plots in `out_dir`
-    (a folder or `gs://bucket/...`), each written whole (`storage.replacing`).
+    """Per-seed records -> results files, `summary.md` (with `notes` and `floor_warnings` as warnings at its top,
+    the latter also logged, and the checkpoint steps scored) and plots in `out_dir` (a folder or `gs://bucket/...`),
+    each written whole (`storage.replacing`). Plots of an earlier report in `out_dir` that this one does not
+    redraw are removed, so every plot there shows these results.
 
     Returns the mean-over-seeds rows, the summary's Markdown and the plot paths.
     """
     frame = add_gap_closed(records)
     means = aggregate_seeds(frame)
+    floor = floor_warnings(means)
+    for warning in floor:
+        logging.warning("%s", warning)
+    notes = list(dict.fromkeys([*notes, *floor]))  # a rebuilt report reads its floor warnings back with the notes
     write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
-    summary = markdown_summary(means, skipped, notes)
+    summary = markdown_summary(means, skipped, notes, checkpoint_steps(frame))
     with storage.replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
         f.write(summary)
-    return means, summary, plot_all(means, out_dir)
+    plots = plot_all(means, out_dir)
+    remove_stale_plots(out_dir, plots)
+    return means, summary, plots
+
+
+# Below the unigram floor by less than this (nats, at the upper end of its interval), a model has learned next to
+# nothing from its context: 0.05 nats is a perplexity 5% under the floor's. A model that uses its context beats the
+# floor by far more (0.2 nats for a BERT on Brown that never learned its positions, 1.5 on synthetic:markov),
+# while an untrained or collapsed model sits within a few hundredths of it; and taking the interval's upper end
+# keeps a few hundred noisy targets from counting as "clearly below".
+FLOOR_MARGIN = 0.05
+
+
+def floor_warnings(means: pd.DataFrame) -> list[str]:
+    """A warning per dataset naming the models whose chunked loss at their training length is not clearly below
+    the unigram floor (`FLOOR_MARGIN`): such a model predicts little better than token frequencies, so its length
+    curve is flat for want of anything to lose and says nothing about positions. The floor is context-free, so its
+    loss at its own training length stands for every length."""
+    rows = means[(means["protocol"] == "chunked") & (means["bucket"] == "all") & (means["metric"] == "loss")
+                 & (means["eval_len"] == means["train_len"])]
+    floors = rows[rows["model"] == "unigram"].groupby("dataset")["value"].first()
+    warnings = []
+    for dataset, floor in floors.items():
+        models = rows[(rows["dataset"] == dataset) & ~rows["model"].isin(REFERENCES)].drop_duplicates("model")
+        upper = models["ci_high"].fillna(models["value"])
+        flat = models[upper > floor - FLOOR_MARGIN]
+        if len(flat):
+            warnings.append(
+                f"{dataset}: {', '.join(f'{m} ({v:.3f})' for m, v in zip(flat['model'], flat['value']))} "
+                f"{'is' if len(flat) == 1 else 'are'} not clearly below the unigram floor ({floor:.3f}) at the "
+                f"training length (by {FLOOR_MARGIN} nats at the interval's upper end): such a model predicts little "
+                "better than token frequencies, so its length curve says nothing about positions; train it longer")
+    return warnings
+
+
+def checkpoint_steps(frame: pd.DataFrame) -> list[str]:
+    """`label (seed s): step n` for every run loaded from a workdir's checkpoint, for the summary's header."""
+    runs = frame[frame["step"].notna() & (frame["seed"].astype(str) != "mean")]
+    runs = runs[["model", "seed", "step"]].drop_duplicates().sort_values(["model", "step"], kind="stable")
+    return [f"{m} (seed {s}): step {n}" for m, s, n in runs.itertuples(index=False)]
+
+
+PLOT_PATTERNS = ("loss_vs_length_*.png", "loss_by_position_*.png")  # the names `plot_all` writes
+
+
+def remove_stale_plots(out_dir: str, written: Sequence[str]) -> list[str]:
+    """Removes the plots in `out_dir` named as `plot_all` names them but not in `written` (those of an earlier
+    report there, e.g. of another dataset); nothing else is touched. Returns the removed paths."""
+    keep = {os.path.basename(p) for p in written}
+    folder = storage.path(out_dir)
+    stale = [p for pattern in PLOT_PATTERNS for p in folder.glob(pattern) if p.name not in keep]
+    for p in stale:
+        p.unlink()
+    return [str(p) for p in stale]
 
 
 def markdown_table(frame: pd.DataFrame) -> str:
@@ -239,14 +299,18 @@ def _length_labels(frame: pd.DataFrame) -> list[str]:
     return [f"{e // t}x" if e % t == 0 else f"L{e - t:+d}" for e, t in zip(frame["eval_len"], frame["train_len"])]
 
 
-def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], notes: Sequence[str] = ()) -> str:
+def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], notes: Sequence[str] = (),
+                     checkpoints: Sequence[str] = ()) -> str:
     """Per dataset, a table for every protocol in `means`, laid out as its registry entry says
-    (`protocols.layout_of`): loss and accuracy by eval length, or loss by offset of the target span."""
+    (`protocols.layout_of`): loss and accuracy by eval length, or loss by offset of the target span. `notes` are
+    warnings at the top, `checkpoints` (`checkpoint_steps`) the steps scored."""
     means = records_frame(means)
     lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
              "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
              "none with fewer than two documents).",
              "Lengths are multiples of each model's training length L, or L plus a few tokens.", ""]
+    if checkpoints:
+        lines += [f"Checkpoints scored: {'; '.join(checkpoints)}.", ""]
     overall = means[means["bucket"] == "all"]
     for dataset in sorted(overall["dataset"].unique()):
         of_dataset = overall[overall["dataset"] == dataset]

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from deberta_jax.data.targets import EVAL_MASK_PROB, EvalCorpus, Windows
 from deberta_jax.study.report import CONFIDENCE
@@ -113,7 +112,7 @@ def score_windows(scorer: Scorer, corpus: EvalCorpus, windows: Windows, batch_si
     n, seq_len = windows.input_ids.shape
     sums = Sums.zeros(corpus.num_docs, seq_len, bucket_width)
     share = np.array_split(np.arange(0, n, batch_size), jax.process_count())[jax.process_index()]
-    for start in tqdm(share, desc=desc, leave=False, disable=None if jax.process_index() == 0 else True):
+    for start in share:
         rows = slice(start, min(start + batch_size, n))
         ids, mask, labels = (_pad_rows(a[rows], batch_size) for a in
                              (windows.input_ids, windows.attention_mask, windows.labels))

@@ -1,6 +1,7 @@
 """Length-extrapolation evaluation: fixed targets, window layouts, policies, outputs, bad input."""
 
 import gzip
+import io
 import json
 import math
 
@@ -342,3 +343,39 @@ def test_curves_refuse_runs_that_did_not_see_the_same_batches(tmp_path, monkeypa
     checkpoint.write_config(tmp_path / "d", config(bert, train="other.txt"))
     with pytest.raises(ValueError, match=r"d .* config.data.train_files '.*/train.txt' vs '.*/other.txt'"):
         curves.check_same_batches({"a": str(tmp_path / "a"), "d": str(tmp_path / "d")})
+
+
+def test_a_moved_training_file_is_named_as_the_unigram_floors_with_the_ways_on(tmp_path, tok):
+    """The floor's counts come from the files the workdir's config names, a path the user never gave eval.py."""
+    from configs import deberta
+    from deberta_jax.train import checkpoint
+
+    config = deberta.get_config("micro")
+    config.data.train_files = str(tmp_path / "moved" / "train.txt")
+    checkpoint.write_config(tmp_path, config)
+    with pytest.raises(FileNotFoundError) as err:
+        length_study.unigram_reference(length_study.EvalModel("run", 0, str(tmp_path), None, tok, 16))
+    message = str(err.value)
+    assert f"{tmp_path}'s config.json" in message and config.data.train_files in message
+    assert "--unigram=false" in message and "\n" not in message
+
+
+def test_progress_is_one_bar_on_a_terminal_and_a_line_per_unit_elsewhere():
+    units = ["deb on d at N=16", "deb on d at N=32"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (io.StringIO(), Terminal()):
+        progress = length_study.Progress(len(units), stream)
+        for what in units:
+            progress.advance()
+            progress.scoring(what)
+        progress.close()
+        if isinstance(stream, Terminal):  # one bar, redrawn in place, ending at 2/2 with the last unit's name
+            assert stream.getvalue().count("\n") == 1 and "deb on d at N=32: 100%" in stream.getvalue()
+            assert "2/2" in stream.getvalue()
+        else:
+            lines = stream.getvalue().splitlines()
+            assert [line.split(" (")[0] for line in lines] == [f"scoring {i}/2: {u}" for i, u in enumerate(units, 1)]

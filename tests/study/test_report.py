@@ -18,7 +18,7 @@ from deberta_jax.study import report
 def record(model, seed, eval_len, value, metric="loss", protocol="chunked", offset=None, bucket="all", ci=(None, None),
            policy="none", train_len=8):
     """A record with the fields, and their order, of `length_study.run_study`'s."""
-    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", train_len=train_len,
+    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=None, train_len=train_len,
                 multiple=eval_len / train_len, protocol=protocol, offset=offset, policy=policy, dataset="d",
                 eval_len=eval_len, bucket=bucket, metric=metric, value=value, ci_low=ci[0], ci_high=ci[1],
                 n_tokens=100 + seed if isinstance(seed, int) else 50)
@@ -161,3 +161,49 @@ def test_summary_tables_pivot_the_mean_rows():
     assert "| a | none | 8 | – | – |\n| b | clip | 8 | – | – |" in summary  # no accuracy was scored
     assert ("| model | policy | eval length | offset 6 |\n|---|---|---|---|\n| b | clip | 8 | 3.000 |"
             in summary)
+
+
+def floor_records() -> list[dict]:
+    """Chunked losses at 1x and 2x of the unigram floor and of three models: one well below it, one level with it
+    and one below it only within its interval; `good` was loaded from checkpoint steps 100 and 200 of two seeds."""
+    out = []
+    for model, seeds, value, ci in (("unigram", ("-",), 3.0, (2.98, 3.02)), ("good", (0, 1), 2.5, (2.45, 2.55)),
+                                    ("flat", (0,), 2.99, (2.97, 3.01)), ("noisy", (0,), 2.9, (2.8, 2.96))):
+        for seed in seeds:
+            for eval_len in (8, 16):
+                v = value + (seed if isinstance(seed, int) else 0) * 0.01
+                step = 100 * (seed + 1) if model == "good" else None
+                out.append(dict(record(model, seed, eval_len, v, ci=ci), step=step))
+    return out
+
+
+def test_a_model_not_clearly_below_the_unigram_floor_is_warned_of(tmp_path, monkeypatch):
+    logged = []
+    monkeypatch.setattr(report.logging, "warning", lambda fmt, *args: logged.append(fmt % args))
+    _, summary, _ = report.write_report(floor_records(), [], str(tmp_path), notes=["another warning"])
+    assert len(logged) == 1 and "flat (2.990), noisy (2.900) are not clearly below the unigram floor" in logged[0]
+    assert "good" not in logged[0]
+    head = summary.split("Mean over seeds")[0]
+    assert "another warning" in head and logged[0] in head
+    assert report.read_results_file(tmp_path)["notes"] == ["another warning", logged[0]]
+    _, rebuilt, _ = report.rebuild_report(str(tmp_path))  # the warning read back is not repeated
+    assert rebuilt == summary
+
+
+def test_results_and_summary_name_each_checkpoint_step(tmp_path):
+    _, summary, _ = report.write_report(floor_records(), [], str(tmp_path))
+    assert "Checkpoints scored: good (seed 0): step 100; good (seed 1): step 200." in summary
+    runs = [r for r in report.read_results_file(tmp_path)["records"] if r["seed"] != "mean"]
+    assert {(r["model"], r["seed"], r["step"]) for r in runs} == {
+        ("good", 0, 100), ("good", 1, 200), ("flat", 0, None), ("noisy", 0, None), ("unigram", "-", None)}
+
+
+def test_plots_of_an_earlier_report_are_removed_and_nothing_else(tmp_path):
+    earlier = ["loss_vs_length_other_data.png", "loss_by_position_other_data.png"]
+    kept = ["my_plot.png", "loss_vs_length_notes.txt", "summary_old.md"]
+    for name in earlier + kept:
+        (tmp_path / name).write_bytes(b"x")
+    _, _, plots = report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        kept + ["results.json.gz", "summary.md"] + [os.path.basename(p) for p in plots])
+    assert {os.path.basename(p) for p in plots} == {"loss_vs_length_d.png", "loss_by_position_d.png"}
