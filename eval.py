@@ -32,8 +32,8 @@ from typing import NoReturn
 import jax
 from absl import app, flags
 
-from deberta_jax import library_logs, storage
-from deberta_jax.data import errors, packing
+from deberta_jax import storage
+from deberta_jax.data import errors, library_logs, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging as pylogging
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
 from deberta_jax import storage
-from deberta_jax.data import batches, errors, packing, synthetic
+from deberta_jax.data import batches, errors, library_logs, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
@@ -332,22 +331,10 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     return record
 
 
-# Libraries whose INFO records (every stage of every save, every object read) would bury the run's own log.
-QUIET_LIBRARIES = ("/orbax/", "/gcsfs/", "/fsspec/", "/google/")
-
-
-def quiet_libraries(record: pylogging.LogRecord) -> bool:
-    """Drops the INFO records of `QUIET_LIBRARIES`, and orbax's warning that a checkpoint was saved without eval
-    metrics (expected: only evaluation steps carry them)."""
-    if not any(name in record.pathname for name in QUIET_LIBRARIES):
-        return True
-    return record.levelno >= pylogging.WARNING and "did not provide metrics" not in record.getMessage()
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_logger().addFilter(quiet_libraries)
+    library_logs.quiet()
     sharding.initialize_distributed(FLAGS.multiprocess)
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)

@@ -1,6 +1,6 @@
-"""Quiet third-party logging for the command lines: the checkpoint and bucket libraries log every stage of every
-save and every object read at INFO (about 145 lines to load two checkpoints), which would bury the program's own
-log. `quiet()` keeps their warnings and errors."""
+"""Quiet third-party logging for the entry points (beside `errors`, how they report user errors): the checkpoint
+and bucket libraries log every stage of every save and every object read at INFO (about 145 lines to load two
+checkpoints), which would bury the program's own log. `quiet()` keeps their warnings and errors."""
 
 from __future__ import annotations
 
