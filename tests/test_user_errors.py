@@ -224,3 +224,62 @@ def test_evaluation_text_without_targets_is_refused_at_start_up(cache, tmp_path)
     with pytest.raises(config_checks.ConfigError, match=r"one_word.txt.* yields no masked targets .*eval_files=''"):
         train.train_and_evaluate(config, tmp_path / "run")
     assert not (tmp_path / "run" / checkpoint.CHECKPOINT_DIR).exists()
+
+
+def test_compressed_training_text_is_named_as_such(tmp_path):
+    """Not as old Mac line endings or bad UTF-8, which is what a gzip file's bytes happen to look like."""
+    import gzip
+
+    path = tmp_path / "train.txt.gz"
+    path.write_bytes(gzip.compress(("some words\r" * 50 + "\n").encode() * 20))
+    with pytest.raises(ValueError, match=r"train.txt.gz is gzip-compressed, not text.*`gunzip -k "):
+        list(text.read_lines(path))
+
+
+def test_a_truncated_config_json_is_named_with_the_fix(tmp_path):
+    (tmp_path / checkpoint.CONFIG_FILE).write_text('{"model": {"hidden_size": 3')
+    with pytest.raises(ValueError, match=f"{tmp_path / checkpoint.CONFIG_FILE} is not valid JSON .*Restore"):
+        checkpoint.read_config(tmp_path)
+
+
+def test_a_missing_hf_checkpoint_folder_is_said_not_to_exist(tmp_path):
+    from deberta_jax.model import hf
+
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist or is not a folder"):
+        hf.load_tokenizer(tmp_path / "nowhere")
+
+
+def test_curves_refuse_a_margin_that_is_not_positive(tmp_path):
+    from deberta_jax.study import curves
+
+    with pytest.raises(ValueError, match="--margin=-0.5: a run leaves the plateau only by going below"):
+        curves.write_curves_report({"a": str(tmp_path)}, str(tmp_path / "out"), margin=-0.5)
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_workdir(tmp_path):
+    """tensorstore reports the failed write as a ValueError with the errno in its text (seen with a file-size
+    limit in a real run); the save names the workdir and the fix instead."""
+    class FullDisk:
+        directory = tmp_path / checkpoint.CHECKPOINT_DIR
+
+        def save(self, *args, **kwargs):
+            raise ValueError("OUT_OF_RANGE: Error writing local file: Failed to write 4649 bytes to file 16: No space "
+                             "left on device [os_error_code='28']")
+
+    state = type("State", (), dict(step=3, params={}, opt_state={}))()
+    with pytest.raises(OSError, match=f"^{tmp_path}: no room to save the checkpoint of step 3 .*rerun the same"):
+        checkpoint.save(FullDisk(), state)
+
+
+def test_libtpu_held_by_another_process_is_not_answered_with_deleting_its_lock(monkeypatch):
+    from jax.experimental import topologies
+
+    from deberta_jax.aot import chips
+
+    def refuse(**kwargs):
+        raise RuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile. Run "$ sudo rm '
+                           '/tmp/libtpu_lockfile".')
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    with pytest.raises(RuntimeError, match="another process has libtpu loaded") as err:
+        chips.tpu_slice("v5e:2x2")
+    assert "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in str(err.value) and "rm " not in str(err.value)

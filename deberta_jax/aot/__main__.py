@@ -21,6 +21,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+from deberta_jax import storage
 from deberta_jax.aot import analysis, build
 from deberta_jax.aot.chips import GIB, TopologyError, tpu_slice
 from deberta_jax.train import config_checks
@@ -90,6 +91,13 @@ def main(argv):
     if FLAGS.length_multiple < 1:
         sys.exit(f"--length_multiple={FLAGS.length_multiple}: the length forward is compiled at this multiple of "
                  "config.data.seq_len, so it must be 1 or more")
+    if FLAGS.out:  # found now, not after minutes of compiling
+        if Path(FLAGS.out).is_dir():
+            sys.exit(f"--out={FLAGS.out} is a folder; name the JSON file to write, e.g. {Path(FLAGS.out) / 'aot.json'}")
+        try:
+            storage.check_writable(Path(FLAGS.out).parent, f"--out={FLAGS.out}: its folder")
+        except OSError as err:
+            sys.exit(f"error: {err}")
     try:
         tpu = tpu_slice(FLAGS.topology, FLAGS.num_slices)
         reports = build.compile_run(config, tpu, programs=FLAGS.programs, length_multiple=FLAGS.length_multiple,

@@ -40,6 +40,10 @@ CHIPS = {
 }
 
 
+# libtpu refuses to load in a second process unless this is set (it guards a TPU's devices, unused here).
+MULTIPLE_LOAD_VARIABLE = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+
+
 class TopologyError(ValueError):
     """A topology name this module cannot build; the message says which names it can."""
 
@@ -89,7 +93,8 @@ def _offline_libtpu_environment(chip: Chip, num_chips: int) -> None:
 def tpu_slice(topology: str, num_slices: int = 1) -> TpuSlice:
     """The devices of `num_slices` slices named `topology` (e.g. "v5e:4x4"), to build a mesh and compile on.
 
-    Raises TopologyError for a bad name and RuntimeError, with the install command, when libtpu is missing.
+    Raises TopologyError for a bad name and RuntimeError when libtpu is missing (with the install command) or
+    loaded by another process.
     """
     chip, shape = parse_topology(topology)
     if num_slices < 1:
@@ -107,5 +112,9 @@ def tpu_slice(topology: str, num_slices: int = 1) -> TpuSlice:
             platform="tpu", topology_name=topology.strip(), chip_config_name=chip.chip_config,
             chips_per_host_bounds=host, num_slices=num_slices)
     except Exception as err:  # noqa: BLE001 - libtpu's errors have no narrower type
+        if "libtpu_lockfile" in str(err):  # its advice, to delete the lock, would break the process holding it
+            raise RuntimeError("another process has libtpu loaded, and libtpu lets one process at a time load it: "
+                               f"wait for that process to end, or set {MULTIPLE_LOAD_VARIABLE}=1 to load it "
+                               "alongside (compiling here touches no TPU)") from None
         raise TopologyError(f"topology {topology!r} x {num_slices} slice(s): libtpu refused it: {err}") from None
     return TpuSlice(chip=chip, shape=shape, num_slices=num_slices, devices=tuple(desc.devices))

@@ -84,11 +84,19 @@ def _missing_message(spec: str, part: str, what: str) -> str:
     return f"data spec {spec!r}: {part}: {what}{where}; give existing text files or globs, e.g. {LOCAL_FILES_EXAMPLE!r}"
 
 
+# The first bytes of compressed files, which would otherwise be diagnosed by whatever their bytes happen to hold.
+# bzip2's is its header and first block's magic number, as "BZh" alone could begin a line of text.
+COMPRESSED = {"gzip": (b"\x1f\x8b",), "bzip2": tuple(b"BZh%d1AY&SY" % level for level in range(1, 10)),
+              "xz": (b"\xfd7zXZ\x00",), "zstd": (b"\x28\xb5\x2f\xfd",), "zip": (b"PK\x03\x04",)}
+DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
+
+
 def read_lines(path: storage.AnyPath) -> Iterator[str]:
     """The lines of a UTF-8 text file (local or in object storage), split at "\\n" only and read one at a time
     (memory does not grow with the file); rejects undecodable bytes (naming the first, and UTF-16 by its byte-order
-    mark), NUL bytes, lines longer than `MAX_LINE_BYTES` (a document that large would take gigabytes to tokenize),
-    old Mac files whose lines end in "\\r" alone (which would otherwise be one document), and files with no text.
+    mark), compressed files (to be decompressed by the user, not read through: the data spec names what is read), NUL
+    bytes, lines longer than `MAX_LINE_BYTES` (a document that large would take gigabytes to tokenize), old Mac files
+    whose lines end in "\\r" alone (which would otherwise be one document), and files with no text.
 
     The checks run as the lines are read, so a bad file fails after its good lines were yielded: callers that
     must not keep partial results (the packed-token cache) only commit once the whole file was read.
@@ -97,6 +105,10 @@ def read_lines(path: storage.AnyPath) -> Iterator[str]:
     has_text = False
     with storage.reader(path) as f:
         while raw := f.readline(MAX_LINE_BYTES + 1):  # lines end at b"\\n" alone, as str.split("\\n") cuts them
+            if offset == 0 and (kind := next((k for k, magic in COMPRESSED.items() if raw.startswith(magic)), None)):
+                raise ValueError(f"{path} is {kind}-compressed, not text (training files are read as plain UTF-8 "
+                                 f"text); decompress it first, e.g. `{DECOMPRESS[kind]} {path}`, and give the "
+                                 "decompressed file")
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
                 raise ValueError(_long_line_message(path, offset, raw))
             if raw.rstrip(b"\r\n").count(b"\r") > 1:  # line breaks inside the line: "\\r" alone ends lines

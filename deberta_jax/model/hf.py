@@ -123,6 +123,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     and the [MASK] id are the ones the checkpoint was trained with. Returns the converted `tokenizers` pipeline.
     """
     path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} does not exist or is not a folder: give the folder of a Hugging Face "
+                                "checkpoint (its config.json, weights and tokenizer files)")
     if os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
         return Tokenizer.from_file(os.path.join(path, TOKENIZER_FILE))
     if not any(os.path.isfile(os.path.join(path, name)) for name in CONVERTIBLE_TOKENIZER_FILES):

@@ -76,6 +76,9 @@ def check_same_batches(workdirs: dict[str, str]) -> None:
 def write_curves_report(workdirs: dict[str, str], out_dir: str, margin: float = DEFAULT_MARGIN) -> str:
     """Writes the table, JSON and plot for `{label: workdir}` to `out_dir` (a folder or `gs://bucket/...`); returns
     the Markdown."""
+    if not margin > 0:  # at 0 or below, a run level with or above the floor would count as leaving the plateau
+        raise ValueError(f"--margin={margin:g}: a run leaves the plateau only by going below the unigram floor; give "
+                         f"a positive number of nats (default {DEFAULT_MARGIN:g})")
     check_same_batches(workdirs)
     first = next(iter(workdirs.values()))
     floor = unigram_floor(first)
@@ -143,7 +146,8 @@ def define_flags() -> None:
     """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
     flags.DEFINE_multi_string("workdir", [], "LABEL=WORKDIR of a run; repeat. The first run's data gives the floor.")
     flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
-    flags.DEFINE_float("margin", DEFAULT_MARGIN, "Nats below the unigram floor that count as leaving the plateau.")
+    flags.DEFINE_float("margin", DEFAULT_MARGIN,
+                       "Nats (> 0) below the unigram floor that count as leaving the plateau.")
 
 
 def main(argv):

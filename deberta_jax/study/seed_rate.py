@@ -33,7 +33,11 @@ from deberta_jax.study.report import CONFIDENCE
 
 def read_curves(path: str, run: str, baseline: str) -> dict:
     """`{"seed", "run", "baseline"}` from one curves.json: the seed and each label's `{step: eval loss}`."""
-    data = json.loads(storage.read_text(path))
+    try:
+        data = json.loads(storage.read_text(path))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): truncated or not a curves file; rebuild it with "
+                         "python -m deberta_jax.study.curves") from None
     missing = [label for label in (run, baseline) if label not in data.get("curves", {})]
     if missing:
         raise ValueError(f"{path} has no curve labelled {', '.join(map(repr, missing))} (it has "

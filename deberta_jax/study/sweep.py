@@ -213,7 +213,8 @@ def sweep_command(sweep: config_dict.ConfigDict) -> str:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:  # a value without its flag would otherwise be dropped and the sweep run without it
+        raise ValueError(f"unexpected arguments {argv[1:]}: give every option as a flag, e.g. --mode=print")
     sweep = FLAGS.sweep
     sweep.config_path = config_flags.get_config_filename(FLAGS["sweep"])
     runs = planned_runs(sweep)

@@ -138,14 +138,27 @@ def verify_files(step_dir: storage.AnyPath) -> None:
                                                         changed and f"files changed since the save {changed[:5]}"])))
 
 
+# How a write that found no room reads in tensorstore's errors (ENOSPC, EFBIG, EDQUOT) and in Python's.
+NO_ROOM = ("os_error_code='28'", "os_error_code='27'", "os_error_code='122'", "No space left on device",
+           "File too large", "Disk quota exceeded")
+
+
 def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None) -> None:
     """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best."""
     args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                               opt_state=ocp.args.StandardSave(state.opt_state))
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
     step = int(state.step)
-    manager.save(step, args=args, metrics=metrics)
-    manager.wait_until_finished()
+    try:
+        manager.save(step, args=args, metrics=metrics)
+        manager.wait_until_finished()
+    except (ValueError, OSError) as err:  # tensorstore reports a failed write as ValueError, with the errno in text
+        if not any(code in str(err) for code in NO_ROOM):
+            raise
+        workdir = storage.path(manager.directory).parent
+        raise OSError(f"{workdir}: no room to save the checkpoint of step {step} (the disk is full, or a file-size or "
+                      "quota limit was reached); the checkpoints before it are intact. Free space there, or move the "
+                      "workdir to a disk with room, then rerun the same command to resume") from None
     sync_processes(f"checkpoint {step} committed")  # every process's shards, before process 0 digests them
     if jax.process_index() == 0:
         write_digest(_step_dir(manager, step))
@@ -245,7 +258,12 @@ def read_config(workdir: str | Path) -> config_dict.ConfigDict:
                 "from a backup, or start over with another --workdir.")
         raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir (train.py writes "
                                 f"{CONFIG_FILE} there at start-up)")
-    return config_dict.ConfigDict(json.loads(storage.read_text(path)))
+    try:
+        return config_dict.ConfigDict(json.loads(storage.read_text(path)))
+    except json.JSONDecodeError as err:  # truncated (a full disk, an interrupted copy) or edited by hand
+        raise ValueError(f"{path} is not valid JSON ({err}): the model of the checkpoints in {workdir} is described "
+                         f"only there. Restore {CONFIG_FILE} from a copy of the workdir, or repair it by hand "
+                         "(a new workdir's config.json shows the layout)") from None
 
 
 def parse_step(text: str) -> int | str:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 
+from absl import flags as absl_flags
 from ml_collections import config_dict
 from ml_collections.config_flags import config_flags as config_flags_module
 
 from deberta_jax import storage
-from deberta_jax.data import packing
+from deberta_jax.data import errors, packing
 from deberta_jax.kernels.dispatch import FUSED_KERNELS
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.train.optim import SCHEDULES
@@ -167,9 +169,24 @@ def load_config_file(spec: str):
     return module.get_config(arg) if arg else module.get_config()
 
 
+def _flag_argument(argv: list[str], flag: str) -> str | None:
+    """The value given to `--flag` in `argv` (as `--flag=VALUE` or `--flag VALUE`), or None."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
+    if spec is None and f"--{flag}" in argv[:-1]:
+        spec = argv[argv.index(f"--{flag}") + 1]
+    return spec
+
+
 def parse_config_flags(flags, argv: list[str], flag: str):
-    """`flags(argv)`, turning ml_collections' bare `AttributeError: 'foo'` for an override of a field the config
-    lacks (`--config.model.foo=1`) into a usage error that names the flag and lists the fields that exist."""
+    """`flags(argv)`, with every mistake on the command line ending in one line instead of a traceback: a config
+    file that does not exist, a config file that refuses its argument (an unknown size), a flag that is missing
+    or not of its type (absl's messages, which app.run would print without a traceback had it parsed them), and
+    ml_collections' bare `AttributeError: 'foo'` for an override of a field the config lacks
+    (`--config.model.foo=1`), which becomes one that lists the fields that exist."""
+    spec = _flag_argument(argv, flag)
+    if spec is not None and not os.path.isfile(spec.partition(":")[0]):  # ml_collections would defer this error
+        raise SystemExit(f"--{flag}={spec}: {spec.partition(':')[0]} does not exist; name a config file as "
+                         "PATH.py[:ARG], relative to this folder or absolute")
     try:
         return flags(argv)
     except config_flags_module.UnsupportedOperationError as err:  # e.g. a list field, which flags cannot set
@@ -177,14 +194,18 @@ def parse_config_flags(flags, argv: list[str], flag: str):
         kind, field = found.groups() if found else ("this", "the field")
         raise SystemExit(f"--{field}: a {kind} field cannot be set from the command line (only numbers, strings, "
                          "booleans and tuples can); change it in the config file, or in a copy of it") from None
+    except absl_flags.Error as err:
+        if os.environ.get(errors.TRACEBACK_VARIABLE):
+            raise
+        message = " ".join(str(err).split()) + " (--helpshort lists the flags)"
+        if "Error whilst parsing config file" in str(err):  # get_config raised: its message is the last line
+            message = f"--{flag}={spec}: " + str(err).strip().splitlines()[-1].partition(": ")[2]
+        raise SystemExit(message) from None
     except (AttributeError, KeyError) as err:  # KeyError for a missing section, AttributeError for a field
         found = re.search(r"'([^'\\]+)", str(err))
         missing = found.group(1) if found else ""
         prefix = f"--{flag}."
         override = next((a for a in argv if a.startswith(prefix) and missing in a.split("=")[0].split(".")), None)
-        spec = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), None)
-        if spec is None and f"--{flag}" in argv[:-1]:
-            spec = argv[argv.index(f"--{flag}") + 1]
         if override is None or spec is None:
             raise
         node, where = load_config_file(spec), [flag]
