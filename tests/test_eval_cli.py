@@ -123,10 +123,12 @@ def test_eval_text_without_targets_is_refused_naming_it(workdir, tmp_path):
 def test_curves_report_finds_where_runs_leave_the_plateau(workdir, tmp_path):
     from deberta_jax.study import curves
 
-    markdown = curves.write_curves_report({"a": str(workdir), "b": str(workdir)}, str(tmp_path), margin=-10.0)
+    markdown = curves.write_curves_report({"a": str(workdir), "b": str(workdir)}, str(tmp_path), margin=0.05)
     saved = json.loads((tmp_path / "curves.json").read_text())
-    assert saved["exits"] == {"a": 4, "b": 4}  # a margin of -10 nats: the first evaluation already counts
     assert 2.0 < saved["unigram_floor"] < 4.0  # markov's 32 symbols: below log(32) = 3.47
-    assert "| a | 4 |" in markdown and (tmp_path / "eval_loss_vs_step.png").stat().st_size > 0
+    exit_step = curves.plateau_exit(curves.eval_curve(str(workdir)), saved["unigram_floor"], 0.05)
+    assert saved["exits"] == {"a": exit_step, "b": exit_step} and saved["margin"] == 0.05
+    shown = exit_step if exit_step is not None else "not within the run"
+    assert f"| a | {shown} |" in markdown and (tmp_path / "eval_loss_vs_step.png").stat().st_size > 0
     assert curves.plateau_exit({10: 6.7, 20: 6.55, 30: 6.4}, floor=6.66, margin=0.1) == 20
     assert curves.plateau_exit({10: 6.7}, floor=6.66, margin=0.1) is None

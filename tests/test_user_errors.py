@@ -20,7 +20,7 @@ from deberta_jax.data import errors, packing, text
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.study import length_study, report, scoring
 from deberta_jax.train import checkpoint, config_checks, metrics_io, workdir_lock
-from tests.helpers import REPO, micro_config
+from tests.helpers import MICRO_TRAIN, REPO, micro_config
 
 
 def test_an_unknown_config_field_names_the_flag_and_lists_the_fields(tmp_path):
@@ -39,13 +39,15 @@ def test_an_unknown_config_field_names_the_flag_and_lists_the_fields(tmp_path):
 def test_ctrl_c_while_compiling_stops_cleanly(tmp_path):
     """SIGINT in a run's first seconds (tokenizer, XLA compiling): exit 130 with one line, never a crash of the
     interpreter's teardown; the same command then trains."""
-    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path / "run"),
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro",
                "--config.data.train_files=synthetic:markov:train", "--config.data.eval_files=",
                "--config.train.num_steps=2"]
     log = tmp_path / "train.log"
-    for delay in (0.0, 1.0, 2.0):  # after start-up's imports, whose length depends on the machine's load
+    # After start-up's imports, whose length depends on the machine's load; each time a new run, never a finished one.
+    for i, delay in enumerate((0.0, 0.3, 0.6)):
+        run = command + ["--workdir", str(tmp_path / f"run{i}")]
         with open(log, "w") as f:
-            process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, text=True)
+            process = subprocess.Popen(run, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, text=True)
         deadline = time.monotonic() + 120
         while "devices over" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -56,7 +58,7 @@ def test_ctrl_c_while_compiling_stops_cleanly(tmp_path):
         assert "Fatal Python error" not in stderr and "Segmentation fault" not in stderr, stderr[-2000:]
         assert process.returncode in (0, 130), stderr[-2000:]  # 0: it finished before the signal
         assert process.returncode == 0 or stderr.rstrip().endswith("train.py: interrupted")
-    assert subprocess.run(command, cwd=REPO, capture_output=True, timeout=300).returncode == 0
+    assert subprocess.run(run, cwd=REPO, capture_output=True, timeout=300).returncode == 0
 
 
 def test_a_list_field_on_the_command_line_is_a_one_line_error():
@@ -269,6 +271,27 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_workdir(tmp_path):
     state = type("State", (), dict(step=3, params={}, opt_state={}))()
     with pytest.raises(OSError, match=f"^{tmp_path}: no room to save the checkpoint of step 3 .*rerun the same"):
         checkpoint.save(FullDisk(), state)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_hits_a_file_size_limit_ends_train_py_in_one_line_without_tracebacks(tmp_path):
+    """A real save cut short (a 32 KiB file-size limit: a full disk's error, cheaply), through train.py: the
+    libraries' tracebacks from the abandoned writes (orbax's writer thread, tensorstore's late completions, asyncio's
+    unretrieved futures: some 500 lines) are dropped; what remains is the run's log and one line."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
+
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path / "run"),
+         f"--config.data.train_files={MICRO_TRAIN}", "--config.data.eval_files=", "--config.train.num_steps=2",
+         f"--config.data.cache_dir={tmp_path / 'cache'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit,
+        env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache")))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-2].startswith(f"train.py: {tmp_path / 'run'}: no room to save the checkpoint")
 
 
 def test_libtpu_held_by_another_process_is_not_answered_with_deleting_its_lock(monkeypatch):

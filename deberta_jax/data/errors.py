@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseExc
     @functools.wraps(main)
     def wrapped(argv):
         try:
-            return main(argv)
+            result = main(argv)
         except USER_ERRORS + also as err:
             if os.environ.get(TRACEBACK_VARIABLE):
                 raise
@@ -33,4 +34,7 @@ def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseExc
             # Skip the interpreter's teardown, which can crash ("Fatal Python error: Segmentation fault") while
             # XLA's compiler threads still run, as they do in a run's first seconds.
             os._exit(130)
+        # The work is done: a Ctrl-C from here on would only turn a finished program's exit into a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return result
     return wrapped

@@ -5,25 +5,40 @@ checkpoints), which would bury the program's own log. `quiet()` keeps their warn
 from __future__ import annotations
 
 import logging as pylogging
+import sys
 
 from absl import logging
 
-# Libraries whose INFO records would bury the run's own log.
-QUIET_LIBRARIES = ("/orbax/", "/gcsfs/", "/fsspec/", "/google/")
+# Libraries whose INFO records would bury the run's own log (asyncio logs for orbax's and gcsfs's event loops).
+QUIET_LIBRARIES = ("/orbax/", "/gcsfs/", "/fsspec/", "/google/", "/asyncio/")
 
 
-# Warnings of those libraries about what is expected here: a checkpoint saved without eval metrics (only evaluation
-# steps carry them), and a checkpoint folder opened read-only (as evaluation and export open it, on purpose).
-EXPECTED_WARNINGS = ("did not provide metrics", "Given directory is read only")
+# Warnings and errors of those libraries that say nothing new here: a checkpoint saved without eval metrics (only
+# evaluation steps carry them), a checkpoint folder opened read-only (as evaluation and export open it, on purpose),
+# and what a failed save leaves behind, which `checkpoint.save` raises as one line naming the workdir and the fix (a
+# full disk printed some 700 lines of it first): the traceback orbax logs from its writer thread, and the writes it
+# abandoned, which asyncio reports when their futures are collected.
+EXPECTED_RECORDS = ("did not provide metrics", "Given directory is read only",
+                    "_SignalingThread.run() raised an exception", "exception was never retrieved")
+
+LOOP_CLOSED = "Event loop is closed"
 
 
 def quiet_libraries(record: pylogging.LogRecord) -> bool:
-    """Drops the INFO records of `QUIET_LIBRARIES`, and their `EXPECTED_WARNINGS`."""
+    """Drops the INFO records of `QUIET_LIBRARIES`, and their `EXPECTED_RECORDS`."""
     if not any(name in record.pathname for name in QUIET_LIBRARIES):
         return True
-    return record.levelno >= pylogging.WARNING and not any(w in record.getMessage() for w in EXPECTED_WARNINGS)
+    return record.levelno >= pylogging.WARNING and not any(w in record.getMessage() for w in EXPECTED_RECORDS)
 
 
 def quiet() -> None:
-    """Applies `quiet_libraries` to absl's logger, which these libraries log through."""
-    logging.get_absl_logger().addFilter(quiet_libraries)
+    """Applies `quiet_libraries` to absl's handler, which these libraries' records reach, and drops the tracebacks
+    tensorstore reports after a failed save, one per write that completes after orbax closed its event loop."""
+    logging.get_absl_handler().addFilter(quiet_libraries)  # the handler: records propagated from std loggers too
+    previous = sys.unraisablehook
+
+    def unraisablehook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == LOOP_CLOSED):
+            previous(unraisable)
+
+    sys.unraisablehook = unraisablehook
