@@ -170,9 +170,11 @@ def test_a_sweep_reads_its_runs_and_data_in_a_bucket_and_reports_there(local_run
 def test_curves_and_seed_rate_read_runs_in_a_bucket_and_write_there(local_run, bucket):
     storage.upload_tree(local_run, f"{bucket}/runs/run-s0")
     run = f"{bucket}/runs/run-s0"
-    curves.write_curves_report({"bert": run, "nope": run}, f"{bucket}/curves", margin=-10.0)
+    curves.write_curves_report({"bert": run, "nope": run}, f"{bucket}/curves", margin=0.05)
     saved = json.loads(storage.read_text(f"{bucket}/curves/curves.json"))
-    assert saved["exits"] == {"bert": STEPS, "nope": STEPS} and saved["workdirs"]["bert"] == run
+    exit_step = curves.plateau_exit(curves.eval_curve(run), saved["unigram_floor"], 0.05)  # the curve read remotely
+    assert saved["curves"]["bert"] == {str(s): v for s, v in curves.eval_curve(str(local_run)).items()}
+    assert saved["exits"] == {"bert": exit_step, "nope": exit_step} and saved["workdirs"]["bert"] == run
     markdown = seed_rate.write_rate_report([f"{bucket}/curves/curves.json"], "bert", "nope", f"{bucket}/rate")
     assert "**0 of 1 seeds**" in markdown and storage.read_text(f"{bucket}/rate/rate.md") == markdown
     assert sorted(p.name for p in storage.path(f"{bucket}/rate").iterdir()) == ["gap_vs_step.png", "rate.json",
