@@ -96,7 +96,8 @@ def test_checkpoint_storage_benchmark_times_the_same_checkpoint_on_disk_and_in_a
     assert [(row["size"], row["storage"]) for row in rows] == [("micro", "local"), ("micro", "bucket")]
     local, remote = rows
     assert remote["where"].startswith("gs://")
-    # The same arrays in both places; only the digest record differs (SHA-256 hex against MD5 base64).
-    assert remote["checkpoint_mb"] == pytest.approx(local["checkpoint_mb"], rel=0.02) and local["checkpoint_mb"] > 0
+    # The same arrays in both places. A micro checkpoint is half a megabyte, so the files that differ by storage
+    # (orbax's commit markers in a bucket, the digest record's SHA-256 hex or MD5 base64) weigh a few percent.
+    assert remote["checkpoint_mb"] == pytest.approx(local["checkpoint_mb"], rel=0.1) and local["checkpoint_mb"] > 0
     for row in rows:
         assert row["save_s"] > 0 and row["restore_s"] > 0 and row["step_s_checkpoint_every_1"] > row["step_s"] > 0
