@@ -100,17 +100,10 @@ def reporting(value: PathLike, doing: str) -> Iterator[None]:
 
 def write_bytes(target: PathLike, data: bytes) -> None:
     """`target` holds `data` in full, or what it held before: never part of it (parent folders are created)."""
-    target = path(target)
-    if not is_remote(target):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic.replacing(target) as tmp:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        return
-    with reporting(target, "write"):
-        filesystem(target).pipe_file(_key(target), data)
+    with replacing(target) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_text(target: PathLike, text: str) -> None:

@@ -149,7 +149,11 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
     """A trained run as an `EvalModel` (latest checkpoint, "best", or a step); `overrides` as in
     `checkpoint.load_workdir` (e.g. the attention kernel). The step is resolved first, so the results can name the
     checkpoint they scored."""
-    step = checkpoint.select_step(checkpoint.checkpoint_manager(workdir, read_only=True), step, workdir)
+    manager = checkpoint.checkpoint_manager(workdir, read_only=True)
+    try:
+        step = checkpoint.select_step(manager, step, workdir)
+    finally:
+        manager.close()
     config, model, tokenizer = checkpoint.load_workdir(workdir, step, **overrides)
     return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len), step=step)
 

@@ -150,9 +150,10 @@ def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int]:
         if current is None:
             continue
         holder, silent_s = _parse(current), time.time() - current.updated
-        if not (_dead_here(holder) or silent_s > stale_after_s):
+        dead = _dead_here(holder)
+        if not (dead or silent_s > stale_after_s):
             raise _busy(lock.parent, holder, f", last renewed {silent_s:.0f} s ago")
-        reason = "whose process no longer runs" if _dead_here(holder) else f"silent for {silent_s:.0f} s"
+        reason = "whose process no longer runs" if dead else f"silent for {silent_s:.0f} s"
         logging.warning("%s: the previous run, %s, %s, ended without releasing its lock (killed, crashed or its VM "
                         "was taken away); taking it over", lock, _describe(holder), reason)
         storage.delete_version(lock, current.generation)  # if another launch deleted it first, its create wins
