@@ -6,8 +6,8 @@ neither pass holds more than `[B, H, Nq, block_size]` of scores: the dense kerne
 evaluation at 8k+ tokens. The key side of the `ScoreTerms` (keys, DeBERTa's p2c) is cut into blocks; the query
 side (queries, c2p, a per-distance bias) is read whole by every block.
 
-Attention dropout draws block `b`'s mask from `fold_in(key, b)` (`dropout_keep`) and draws it again in the
-backward pass, so this kernel and the dense one drop different (equally distributed) entries.
+Attention dropout draws each block's mask from its positions (`dropout_keep`) and draws it again in the backward
+pass: the dense kernel's mask, whatever the block size.
 `deberta_jax.kernels.pallas` replaces the forward scan by a fused GPU kernel through the `forward` hook.
 """
 
@@ -60,8 +60,10 @@ Forward = Callable[[Blocks], tuple[jax.Array, jax.Array]]
 
 
 def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """The keep mask of attention dropout for key block `block`."""
-    return dropout_masks.keep_mask(jax.random.fold_in(key, block), shape, rate)
+    """The keep mask of attention dropout for key block `block`, `shape` `[B, H, Nq, block size]`."""
+    b, h, n_q, size = shape
+    hashes = dropout_masks.attention_hashes(key, b, h, jnp.arange(n_q), block * size + jnp.arange(size))
+    return dropout_masks.attention_keep(*hashes, rate)
 
 
 def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, block_size: int,

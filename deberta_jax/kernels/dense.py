@@ -24,11 +24,13 @@ def dense_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
     """Softmax over all `Nk` keys; `v` `[B, H, Nk, d]`, `key_mask` `[B, Nk]` (1 = real token) -> `[B, H, Nq, d]`.
 
     The softmax runs in float32 and only keys are masked, so outputs at real tokens do not depend on padding.
-    Dropout (when `dropout_key` is given) draws one mask of the probabilities' shape.
+    Dropout (when `dropout_key` is given) draws the mask of every (sequence, head, query, key) from their
+    positions (`dropout_masks.attention_keep`), the mask the blockwise and fused TPU kernels draw too.
     """
     scores = terms.scores(np.arange(v.shape[-2])).astype(jnp.float32)
     probs = jax.nn.softmax(mask_keys(scores, key_mask[:, None, None, :].astype(bool)), axis=-1)
     if dropout_key is not None and dropout_rate > 0:
-        keep = dropout_masks.keep_mask(dropout_key, probs.shape, dropout_rate)
-        probs = dropout_masks.apply(probs, keep, dropout_rate)
+        b, h, n_q, n_k = probs.shape
+        hashes = dropout_masks.attention_hashes(dropout_key, b, h, np.arange(n_q), np.arange(n_k))
+        probs = dropout_masks.apply(probs, dropout_masks.attention_keep(*hashes, dropout_rate), dropout_rate)
     return jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), v)

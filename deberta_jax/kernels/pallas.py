@@ -13,8 +13,10 @@ arrives already rotated.
 Only the forward pass is fused. Gradients come from the blockwise kernel's FlashAttention backward
 (`blockwise._online_softmax_bwd`), which recomputes each key block's scores from the log-sum-exp this
 kernel saves, so training through it keeps memory linear in length too. There is no attention
-dropout in the fused pass (Triton has no generator matching `deberta_jax.kernels.dropout_masks`): with a dropout
-rate and a dropout key (training) the call is refused with the fix.
+dropout in the fused pass yet: the blockwise backward pass regenerates the mask from positions
+(`dropout_masks.attention_keep`, int32 multiplies, xors and shifts that Triton has too), but the forward hook takes
+no dropout key and this kernel no hashes of positions, as the TPU kernel does. With a dropout rate and a dropout key
+(training) the call is refused with the fix.
 
 On a GPU the kernel is compiled by Triton. On CPU and TPU it runs in Pallas' interpret mode, which
 executes the same kernel body with XLA ops one program at a time: exact, and slow, meant for tests.

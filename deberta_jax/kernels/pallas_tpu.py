@@ -20,8 +20,12 @@ split: queries over key tiles, keys and values over query tiles. The inverse rot
 score gradient back to per-distance columns, which give c2p's share of dq (and p2c's of dk) and add into the
 head's whole table gradient, held in VMEM (float32) while every sequence and tile pair of the head goes by.
 
+Attention dropout is drawn inside the kernels from hashes of the tile's query and key positions
+(`dropout_masks.attention_keep`; the hashes of every sequence, head and position are computed once outside, for the
+whole batch): the dense kernel's mask, which both backward kernels draw again at any tile size.
+
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
-(the expansion reads the per-distance index). No attention dropout, per-distance bias, temperature or window:
+(the expansion reads the per-distance index), attention dropout. No per-distance bias, temperature or window:
 those are refused with the fix. On a TPU the kernels are compiled by Mosaic (also when a program is compiled
 for a TPU from another machine, `deberta_jax.aot`); elsewhere Pallas interprets them (exact, slow: tests).
 """
@@ -39,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
+from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import ScoreTerms, mask_keys
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
@@ -55,6 +60,11 @@ class KernelShape:
     divisor: float
     c2p: bool
     p2c: bool
+    dropout_rate: float = 0.0  # attention dropout; 0 in evaluation
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_rate > 0
 
     @property
     def num_tiles(self) -> int:
@@ -140,25 +150,48 @@ def _table_columns(shape: KernelShape, sign: int, query_tile, key_tile):
     return pl.ds(pl.multiple_of((shape.num_tiles - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)
 
 
-def _table_rows(shape: KernelShape, ec_ref, eq_ref, query_tile, key_tile):
+def _table_rows(shape: KernelShape, options, query_tile, key_tile):
     """The `[d, 2T]` rows of each expanded table (None when off) that a tile pair reads."""
     def rows(ref, sign):
         return None if ref is None else ref[:, _table_columns(shape, sign, query_tile, key_tile)]
-    return rows(ec_ref, -1), rows(eq_ref, 1)
+    return rows(options.ec, -1), rows(options.eq, 1)
+
+
+def _pop(refs: list, *on) -> list:
+    """The next refs of `refs` (consumed), one for each flag that is on, None for each that is off."""
+    return [refs.pop(0) if flag else None for flag in on]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys
+    (rows), and the head's expanded tables."""
+
+    query_hash: object
+    key_hash: object
+    ec: object
+    eq: object
 
 
 def _split_refs(refs, shape: KernelShape, count: int):
-    """The leading `count` refs, then c2p's table and p2c's (None when off), then the rest."""
+    """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
-    head, refs = refs[:count], refs[count:]
-    ec = refs.pop(0) if shape.c2p else None
-    eq = refs.pop(0) if shape.p2c else None
-    return head, ec, eq, refs
+    head = _pop(refs, *[True] * count)
+    return head, _Options(*_pop(refs, shape.dropout, shape.dropout, shape.c2p, shape.p2c)), refs
+
+
+def _keep(shape: KernelShape, options: _Options):
+    """The tile's attention-dropout keep mask `[T, T]` (None without dropout): the dense kernel's, from the hashes
+    of the tile's query and key positions."""
+    if not shape.dropout:
+        return None
+    return dropout_masks.attention_keep(_to_column(options.query_hash[...]), options.key_hash[...],
+                                        shape.dropout_rate)
 
 
 # ------------------------------------------------------------------------------------------------- forward
 def _forward_kernel(*refs, shape: KernelShape):
-    (q_ref, k_ref, v_ref, mask_ref), ec, eq, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
+    (q_ref, k_ref, v_ref, mask_ref), options, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
     query_tile, key_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(key_tile == 0)
@@ -167,14 +200,16 @@ def _forward_kernel(*refs, shape: KernelShape):
         l_sc[...] = jnp.zeros_like(l_sc)
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
-    s = _scores(shape, q_ref[...], k_ref[...], *_table_rows(shape, ec, eq, query_tile, key_tile),
+    s = _scores(shape, q_ref[...], k_ref[...], *_table_rows(shape, options, query_tile, key_tile),
                 mask_ref[...] != 0, key_tile)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
     p = jnp.exp(s - m_new)
+    # The normalizer sums every probability; dropout acts on the normalized ones (`dense_attention`'s order).
     l_sc[...] = l_sc[...] * correction + p.sum(axis=1, keepdims=True)
-    acc_sc[...] = acc_sc[...] * correction + _dot(p.astype(v_ref.dtype), v_ref[...])
+    dropped = dropout_masks.apply(p, _keep(shape, options), shape.dropout_rate)
+    acc_sc[...] = acc_sc[...] * correction + _dot(dropped.astype(v_ref.dtype), v_ref[...])
     m_sc[...] = m_new
 
     @pl.when(key_tile == pl.num_programs(3) - 1)
@@ -184,11 +219,18 @@ def _forward_kernel(*refs, shape: KernelShape):
 
 
 # ------------------------------------------------------------------------------------------------ backward
-def _score_grad(shape: KernelShape, q, k, v, ec, eq, real, key_tile, do, lse, delta):
-    """Probabilities and the gradient of the raw score sum `q.k + c2p + p2c` of one tile (masked keys get none)."""
-    p = jnp.exp(_scores(shape, q, k, ec, eq, real, key_tile) - _to_column(lse))
-    dp = _dot_t(do, v)
-    return p, jnp.where(real, p * (dp - _to_column(delta)), 0.0) / shape.divisor
+def _score_grad(shape: KernelShape, q, k, v, options, real, query_tile, key_tile, do, lse, delta):
+    """The probabilities as the forward pass weighed the values (after dropout) and the gradient of the raw score
+    sum `q.k + c2p + p2c` of one tile (masked keys get none).
+
+    With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
+    probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
+    p = jnp.exp(_scores(shape, q, k, *_table_rows(shape, options, query_tile, key_tile), real, key_tile)
+                - _to_column(lse))
+    keep = _keep(shape, options)
+    dp = dropout_masks.apply(_dot_t(do, v), keep, shape.dropout_rate)
+    ds = jnp.where(real, p * (dp - _to_column(delta)), 0.0) / shape.divisor
+    return dropout_masks.apply(p, keep, shape.dropout_rate), ds
 
 
 def _table_gradient(acc, grad, columns, first, last, out):
@@ -215,8 +257,9 @@ def _head_steps():
 
 def _dq_kernel(*refs, shape: KernelShape):
     """Grid (head, sequence, query tile, key tile): dq over key tiles, and c2p's table gradient over the head."""
-    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
-    dq_ref, dq_sc = rest[0], rest[1 + shape.c2p]
+    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
+    dq_ref, d_ec_ref = _pop(rest, True, shape.c2p)
+    dq_sc, ec_acc = _pop(rest, True, shape.c2p)
     query_tile, key_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(key_tile == 0)
@@ -224,15 +267,15 @@ def _dq_kernel(*refs, shape: KernelShape):
         dq_sc[...] = jnp.zeros_like(dq_sc)
 
     q, k = q_ref[...], k_ref[...]
-    ec_rows, eq_rows = _table_rows(shape, ec, eq, query_tile, key_tile)
-    _, ds = _score_grad(shape, q, k, v_ref[...], ec_rows, eq_rows, mask_ref[...] != 0, key_tile,
+    _, ds = _score_grad(shape, q, k, v_ref[...], options, mask_ref[...] != 0, query_tile, key_tile,
                         do_ref[...], lse_ref[...], delta_ref[...])
     dq = _dot(ds.astype(k.dtype), k)
     if shape.c2p:
+        ec_rows, _ = _table_rows(shape, options, query_tile, key_tile)
         per_distance = _unskew(ds, shape.tile)
         dq = dq + _dot_t(per_distance.astype(ec_rows.dtype), ec_rows)
-        _table_gradient(rest[-1], _dot(q.T.astype(jnp.float32), per_distance),
-                        _table_columns(shape, -1, query_tile, key_tile), *_head_steps(), rest[1])
+        _table_gradient(ec_acc, _dot(q.T.astype(jnp.float32), per_distance),
+                        _table_columns(shape, -1, query_tile, key_tile), *_head_steps(), d_ec_ref)
     dq_sc[...] += dq
 
     @pl.when(key_tile == pl.num_programs(3) - 1)
@@ -242,9 +285,9 @@ def _dq_kernel(*refs, shape: KernelShape):
 
 def _dkv_kernel(*refs, shape: KernelShape):
     """Grid (head, sequence, key tile, query tile): dk and dv over query tiles, and p2c's table gradient."""
-    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), ec, eq, rest = _split_refs(refs, shape, 7)
-    dk_ref, dv_ref = rest[:2]
-    dk_sc, dv_sc = rest[2 + shape.p2c: 4 + shape.p2c]
+    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
+    dk_ref, dv_ref, d_eq_ref = _pop(rest, True, True, shape.p2c)
+    dk_sc, dv_sc, eq_acc = _pop(rest, True, True, shape.p2c)
     key_tile, query_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(query_tile == 0)
@@ -253,15 +296,15 @@ def _dkv_kernel(*refs, shape: KernelShape):
         dv_sc[...] = jnp.zeros_like(dv_sc)
 
     q, k, do = q_ref[...], k_ref[...], do_ref[...]
-    ec_rows, eq_rows = _table_rows(shape, ec, eq, query_tile, key_tile)
-    p, ds = _score_grad(shape, q, k, v_ref[...], ec_rows, eq_rows, mask_ref[...] != 0,
-                        key_tile, do, lse_ref[...], delta_ref[...])
+    p, ds = _score_grad(shape, q, k, v_ref[...], options, mask_ref[...] != 0, query_tile, key_tile,
+                        do, lse_ref[...], delta_ref[...])
     dk = _dot(ds.T.astype(q.dtype), q)
     if shape.p2c:
+        _, eq_rows = _table_rows(shape, options, query_tile, key_tile)
         per_distance = _unskew(ds.T, shape.tile)
         dk = dk + _dot_t(per_distance.astype(eq_rows.dtype), eq_rows)
-        _table_gradient(rest[-1], _dot(k.T.astype(jnp.float32), per_distance),
-                        _table_columns(shape, 1, query_tile, key_tile), *_head_steps(), rest[2])
+        _table_gradient(eq_acc, _dot(k.T.astype(jnp.float32), per_distance),
+                        _table_columns(shape, 1, query_tile, key_tile), *_head_steps(), d_eq_ref)
     dk_sc[...] += dk
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
@@ -340,20 +383,31 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
                                       default=functools.partial(run, True))
 
 
-_TOKEN_Q, _TOKEN_K, _ROW_Q, _MASK = ("token", "q"), ("token", "k"), ("row", "q"), ("mask", "k")
+_TOKEN_Q, _TOKEN_K, _MASK = ("token", "q"), ("token", "k"), ("mask", "k")
+_ROW_Q, _ROW_K = ("row", "q"), ("row", "k")
 _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensionSemantics.ARBITRARY
 
 
-def _tables(shape: KernelShape, ec, eq):
-    return [x for x, on in ((ec, shape.c2p), (eq, shape.p2c)) if on]
+def _options(shape: KernelShape, options):
+    """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables)."""
+    query_hash, key_hash, ec, eq = options
+    rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout))
+            if on]
+    return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c)) if on]
 
 
-def _forward(shape: KernelShape, q, k, v, mask, ec, eq):
+def _inputs(shape: KernelShape, tokens, blocks, options):
+    """`_call`'s (inputs, their blocks) and tables: the kernel's fixed per-token inputs, then the options."""
+    rows, tables = _options(shape, options)
+    return (tuple(tokens) + tuple(x for x, _ in rows), tuple(blocks) + tuple(block for _, block in rows)), tables
+
+
+def _forward(shape: KernelShape, q, k, v, mask, options):
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
     out, lse = _call(
         _forward_kernel, shape, (b, h, n, n), lambda i, j: (i, j),
-        ((q, k, v, mask), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK)), _tables(shape, ec, eq),
+        *_inputs(shape, (q, k, v, mask), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK), options),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, n_pad), jnp.float32)],
         [pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0)),
          pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
@@ -363,28 +417,29 @@ def _forward(shape: KernelShape, q, k, v, mask, ec, eq):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(shape: KernelShape, q, k, v, mask, ec, eq):
-    return _forward(shape, q, k, v, mask, ec, eq)[0]
+def _attention(shape: KernelShape, q, k, v, mask, options):
+    return _forward(shape, q, k, v, mask, options)[0]
 
 
-def _attention_fwd(shape, q, k, v, mask, ec, eq):
-    out, lse = _forward(shape, q, k, v, mask, ec, eq)
-    return out, (q, k, v, mask, ec, eq, out, lse)
+def _attention_fwd(shape, q, k, v, mask, options):
+    out, lse = _forward(shape, q, k, v, mask, options)
+    return out, (q, k, v, mask, options, out, lse)
 
 
 def _attention_bwd(shape: KernelShape, residuals, d_out):
-    q, k, v, mask, ec, eq, out, lse = residuals
+    q, k, v, mask, options, out, lse = residuals
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :]
-    inputs = ((q, k, v, mask, d_out, lse, delta), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _ROW_Q, _ROW_Q))
-    tables = _tables(shape, ec, eq)
+    inputs, tables = _inputs(shape, (q, k, v, mask, d_out, lse, delta),
+                             (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _ROW_Q, _ROW_Q), options)
     # Heads outermost: a head's table gradient accumulates over its sequences and tile pairs, so only heads run
     # in parallel when one is computed.
     order = lambda h_, b_, x, y: (b_, h_, x, y)  # noqa: E731
     token = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
+    _, _, ec, eq = options
 
     def semantics(accumulates):
         return (_PARALLEL,) + ((_ARBITRARY,) * 3 if accumulates else (_PARALLEL, _PARALLEL, _ARBITRARY))
@@ -402,7 +457,8 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
         [like(k), like(v)] + ([like(eq)] if shape.p2c else []), [token, token] + [whole_table] * shape.p2c,
         [pltpu.VMEM((t, d), jnp.float32)] * 2 + [accumulator] * shape.p2c, semantics(shape.p2c), resident="k",
         order=order)
-    return dq, dk, dv, None, d_ec[0] if d_ec else None, d_eq[0] if d_eq else None
+    d_options = (None, None, d_ec[0] if d_ec else None, d_eq[0] if d_eq else None)
+    return dq, dk, dv, None, d_options
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -413,13 +469,10 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     """Self-attention of any variant without per-distance bias, DeBERTa's included, fused for TPUs.
 
     `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
-    (`relative`), as the dense kernel's shift formulation takes them. `tile` is for tests (interpret mode runs
-    any size; Mosaic needs a multiple of 128).
+    (`relative`), as the dense kernel's shift formulation takes them. Attention dropout (a `dropout_key` and a
+    rate) drops exactly the dense kernel's entries. `tile` is for tests (interpret mode runs any size; Mosaic
+    needs a multiple of 128).
     """
-    if dropout_key is not None and dropout_rate > 0:
-        raise ValueError(
-            f"attention_kernel='pallas_tpu' has no attention dropout, but attention_dropout={dropout_rate} in "
-            "training; set model.attention_dropout=0 or train with attention_kernel='dense' or 'blockwise'")
     unsupported = [name for name, value in (("per-distance bias (ALiBi, T5)", terms.bias),
                                             ("attention_temperature", terms.temperature),
                                             ("c2p/p2c products", terms.c2p if terms.c2p is not None else terms.p2c))
@@ -428,18 +481,25 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         raise ValueError(f"attention_kernel='pallas_tpu' does not implement {', '.join(unsupported)}; "
                          "use attention_kernel='dense' or 'blockwise'")
     q, k = terms.q, terms.k
-    length = q.shape[-2]
+    batch, heads, length, _ = q.shape
     if k.shape[-2] != length:
         raise ValueError(f"attention_kernel='pallas_tpu' is self-attention: {length} queries but {k.shape[-2]} keys")
     relative = terms.relative is not None
+    dropout = dropout_key is not None and dropout_rate > 0
     shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
-                   relative and terms.pos_query is not None)
+                        relative and terms.pos_query is not None, float(dropout_rate) if dropout else 0.0)
     pad = shape.padded - length
 
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    ec = eq = None
+    query_hash = key_hash = ec = eq = None
+    if dropout:
+        # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
+        # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
+        positions = np.arange(shape.padded)
+        query_hash, key_hash = dropout_masks.attention_hashes(dropout_key, batch, heads, positions, positions)
+        query_hash = jnp.swapaxes(query_hash, -1, -2)  # a row per head, like the log-sum-exp
     if shape.c2p or shape.p2c:
         forward, reverse = expand_tables(terms.relative.by_distance, shape)
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
@@ -452,7 +512,7 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # XLA cannot partition a Mosaic call: each device runs it on its rows of the batch, which a run's mesh
         # splits over all of its axes (`train.sharding.batch_sharding`); the tables are replicated.
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=(rows, rows, rows, rows, whole, whole), out_specs=rows,
-                               check_vma=False)
-    out = attend(padded(q), padded(k), padded(v), mask, ec, eq)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(rows, rows, rows, rows, (rows, rows, whole, whole)),
+                               out_specs=rows, check_vma=False)
+    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, ec, eq))
     return out[:, :, :length]
