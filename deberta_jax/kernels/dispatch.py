@@ -12,8 +12,8 @@ from deberta_jax.kernels.blockwise import blockwise_attention
 from deberta_jax.kernels.dense import dense_attention
 
 KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu")
-# The fused kernels. Neither implements the length-aware options (window, temperature); `pallas_tpu` implements
-# attention dropout, `pallas` does not.
+# The fused kernels. `pallas` implements neither attention dropout nor the length-aware options (window,
+# temperature); `pallas_tpu` implements both.
 FUSED_KERNELS = ("pallas", "pallas_tpu")
 
 

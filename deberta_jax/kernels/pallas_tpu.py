@@ -14,20 +14,29 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
   shift of Transformer-XL done per tile, with no `[N, N]` tensor. p2c is the same with keys and position
   queries, transposed.
 - The softmax is FlashAttention's online softmax over key tiles (grid axis 3), saving each row's log-sum-exp.
+- With a window (`ScoreTerms.window`) a query tile visits only the band of key tiles its queries' windows reach
+  (`KernelShape.key_band` of them, about `(T + W) / T + 1`): the grid's key axis is that band, and the index maps
+  compute each step's key tile from the query tile, so tiles outside it are neither computed nor read and a call
+  costs `O(N W)`. Keys of a visited tile outside a query's window are masked like padding.
 
 The backward pass recomputes each tile's probabilities from the log-sum-exp in two kernels, FlashAttention-2's
-split: queries over key tiles, keys and values over query tiles. The inverse rotation (`_unskew`) takes a tile's
-score gradient back to per-distance columns, which give c2p's share of dq (and p2c's of dk) and add into the
-head's whole table gradient, held in VMEM (float32) while every sequence and tile pair of the head goes by.
+split: queries over key tiles, keys and values over query tiles (over the band of query tiles whose windows reach
+the key tile, with a window). The inverse rotation (`_unskew`) takes a tile's score gradient back to per-distance
+columns, which give c2p's share of dq (and p2c's of dk) and add into the head's whole table gradient, held in VMEM
+(float32) while every sequence and tile pair of the head goes by. A temperature (a factor per query, and per head
+when learned, on its whole score row) gets its gradient, the row sum of the score gradient times the scores before
+the factor, in the dq kernel, which visits every key tile of a query tile.
 
 Attention dropout is drawn inside the kernels from hashes of the tile's query and key positions
 (`dropout_masks.attention_keep`; the hashes of every sequence, head and position are computed once outside, for the
 whole batch): the dense kernel's mask, which both backward kernels draw again at any tile size.
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
-(the expansion reads the per-distance index), attention dropout. No per-distance bias, temperature or window:
-those are refused with the fix. On a TPU the kernels are compiled by Mosaic (also when a program is compiled
-for a TPU from another machine, `deberta_jax.aot`); elsewhere Pallas interprets them (exact, slow: tests).
+(the expansion reads the per-distance index), attention dropout, a temperature and a window. A query whose window
+holds no real key (a padding query) averages its band's keys where the dense kernel averages every key: its output
+is padding's, which no real token reads. No per-distance bias: it is refused with the fix. On a TPU the kernels
+are compiled by Mosaic (also when a program is compiled for a TPU from another machine, `deberta_jax.aot`);
+elsewhere Pallas interprets them (exact, slow: tests).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from deberta_jax.kernels import dropout_masks
-from deberta_jax.kernels.scores import ScoreTerms, mask_keys
+from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, window_starts
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
 # the matrix unit (128 x 128 on v5e) runs full tiles.
@@ -61,6 +70,8 @@ class KernelShape:
     c2p: bool
     p2c: bool
     dropout_rate: float = 0.0  # attention dropout; 0 in evaluation
+    temperature: bool = False  # a factor per query on its scores
+    window: int = 0  # positions each query sees (`scores.window_starts`), fewer than `length`; 0: every key
 
     @property
     def dropout(self) -> bool:
@@ -73,6 +84,48 @@ class KernelShape:
     @property
     def padded(self) -> int:
         return self.num_tiles * self.tile
+
+    def _reach(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per tile, how many key tiles its queries' windows reach and how many query tiles reach its keys."""
+        t = self.tile
+        starts = window_starts(self.length, self.length, self.window)
+        ends = starts + self.window - 1  # both nondecreasing in the query
+        first = np.arange(self.num_tiles) * t
+        last = np.minimum(first + t, self.length) - 1
+        keys = ends[last] // t - starts[first] // t + 1
+        queries = (np.searchsorted(starts, last, side="right") - 1) // t - np.searchsorted(ends, first) // t + 1
+        return keys, queries
+
+    @property
+    def key_band(self) -> int:
+        """Key tiles each query tile visits: all of them, or with a window the most any query tile's reach."""
+        return int(self._reach()[0].max()) if self.window else self.num_tiles
+
+    @property
+    def query_band(self) -> int:
+        """Query tiles each key tile visits: all of them, or with a window the most whose windows reach one."""
+        return int(self._reach()[1].max()) if self.window else self.num_tiles
+
+    def window_start(self, query):
+        """`scores.window_starts` of traced query positions (an index map's scalar, a tile's iota)."""
+        return jnp.clip(query - self.window // 2, 0, self.length - self.window)
+
+    def key_tile(self, query_tile, step):
+        """The key tile of a query tile's `step`-th visit: the band starts at the tile of its first query's window
+        start, moved left where it would run past the last tile (its extra tiles fall outside every window)."""
+        if not self.window:
+            return step
+        first = jax.lax.div(self.window_start(query_tile * self.tile), self.tile)
+        return jnp.minimum(first, self.num_tiles - self.key_band) + step
+
+    def query_tile(self, key_tile, step):
+        """The query tile of a key tile's `step`-th visit: the band starts at the tile of the first query whose
+        window reaches its first key (windows are `W // 2` before the query, shifted right at the row's start)."""
+        if not self.window:
+            return step
+        key = key_tile * self.tile
+        first = jnp.where(key > self.window - 1, key - (self.window - 1) + self.window // 2, 0)
+        return jnp.minimum(jax.lax.div(first, self.tile), self.num_tiles - self.query_band) + step
 
 
 def expand_tables(by_distance: np.ndarray, shape: KernelShape) -> tuple[np.ndarray, np.ndarray]:
@@ -117,16 +170,34 @@ def _unskew(grad, tile: int):
     return jnp.concatenate(halves, axis=1)
 
 
-def _scores(shape: KernelShape, q, k, ec, eq, real, key_tile):
-    """Masked float32 scores `[T, T]` of one tile; `ec` / `eq` are its `[d, 2T]` expanded rows (or None)."""
+def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile):
+    """Masked float32 scores `[T, T]` of one tile, its scores before the temperature, and the temperature column
+    `[T, 1]` (None without one)."""
     t = shape.tile
+    ec, eq = _table_rows(shape, options, query_tile, key_tile)
     raw = _dot_t(q, k)
     if shape.c2p:
         raw = raw + _skew(_dot(q, ec), t)
     if shape.p2c:
         raw = raw + _skew(_dot(k, eq), t).T
+    scores = combine_scores(raw, 0.0, None, shape.divisor)
+    temperature = _to_column(options.temperature[...]) if shape.temperature else None
     positions = key_tile * t + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
-    return mask_keys(raw / shape.divisor, real, positions < shape.length)
+    # `combine_scores`' last factor, kept apart: the temperature's gradient needs the scores without it.
+    return mask_keys(scores if temperature is None else scores * temperature, attended,
+                     positions < shape.length), scores, temperature
+
+
+def _attended(shape: KernelShape, mask_ref, query_tile, key_tile):
+    """The keys each query of the tile attends to: its real keys (`[1, T]`), inside its window when there is one
+    (`[T, T]`)."""
+    real = mask_ref[...] != 0
+    if not shape.window:
+        return real
+    t = shape.tile
+    start = shape.window_start(query_tile * t + jax.lax.broadcasted_iota(jnp.int32, (t, 1), 0))
+    key = key_tile * t + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
+    return real & (key >= start) & (key < start + shape.window)
 
 
 def _to_row(column):
@@ -158,17 +229,18 @@ def _table_rows(shape: KernelShape, options, query_tile, key_tile):
 
 
 def _pop(refs: list, *on) -> list:
-    """The next refs of `refs` (consumed), one for each flag that is on, None for each that is off."""
+    """The next items of `refs` (consumed), one for each flag that is on, None for each that is off."""
     return [refs.pop(0) if flag else None for flag in on]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys
-    (rows), and the head's expanded tables."""
+    and its queries' temperature (rows), and the head's expanded tables."""
 
     query_hash: object
     key_hash: object
+    temperature: object
     ec: object
     eq: object
 
@@ -177,7 +249,8 @@ def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
     head = _pop(refs, *[True] * count)
-    return head, _Options(*_pop(refs, shape.dropout, shape.dropout, shape.c2p, shape.p2c)), refs
+    on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c)
+    return head, _Options(*_pop(refs, *on)), refs
 
 
 def _keep(shape: KernelShape, options: _Options):
@@ -190,18 +263,19 @@ def _keep(shape: KernelShape, options: _Options):
 
 
 # ------------------------------------------------------------------------------------------------- forward
-def _forward_kernel(*refs, shape: KernelShape):
+def _forward_kernel(*refs, shape: KernelShape, tiles):
     (q_ref, k_ref, v_ref, mask_ref), options, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
-    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
+    step = pl.program_id(3)
+    query_tile, key_tile = tiles(pl.program_id(2), step)
 
-    @pl.when(key_tile == 0)
+    @pl.when(step == 0)
     def _():
         m_sc[...] = jnp.full_like(m_sc, -jnp.inf)
         l_sc[...] = jnp.zeros_like(l_sc)
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
-    s = _scores(shape, q_ref[...], k_ref[...], *_table_rows(shape, options, query_tile, key_tile),
-                mask_ref[...] != 0, key_tile)
+    s, _, _ = _scores(shape, q_ref[...], k_ref[...], options, _attended(shape, mask_ref, query_tile, key_tile),
+                      query_tile, key_tile)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
@@ -212,25 +286,30 @@ def _forward_kernel(*refs, shape: KernelShape):
     acc_sc[...] = acc_sc[...] * correction + _dot(dropped.astype(v_ref.dtype), v_ref[...])
     m_sc[...] = m_new
 
-    @pl.when(key_tile == pl.num_programs(3) - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _():
         o_ref[...] = (acc_sc[...] / l_sc[...]).astype(o_ref.dtype)
         lse_ref[...] = _to_row(m_sc[...] + jnp.log(l_sc[...]))
 
 
 # ------------------------------------------------------------------------------------------------ backward
-def _score_grad(shape: KernelShape, q, k, v, options, real, query_tile, key_tile, do, lse, delta):
-    """The probabilities as the forward pass weighed the values (after dropout) and the gradient of the raw score
-    sum `q.k + c2p + p2c` of one tile (masked keys get none).
+def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_tile, do, lse, delta):
+    """For one tile: the probabilities as the forward pass weighed the values (after dropout), the gradient of the
+    scores before the temperature (`combine_scores`' sum; masked keys get none), and the temperature's gradient
+    per query (`[T, 1]`, None without one).
 
     With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
     probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
-    p = jnp.exp(_scores(shape, q, k, *_table_rows(shape, options, query_tile, key_tile), real, key_tile)
-                - _to_column(lse))
+    attended = _attended(shape, mask_ref, query_tile, key_tile)
+    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile)
+    p = jnp.exp(s - _to_column(lse))
     keep = _keep(shape, options)
     dp = dropout_masks.apply(_dot_t(do, v), keep, shape.dropout_rate)
-    ds = jnp.where(real, p * (dp - _to_column(delta)), 0.0) / shape.divisor
-    return dropout_masks.apply(p, keep, shape.dropout_rate), ds
+    ds = jnp.where(attended, p * (dp - _to_column(delta)), 0.0)
+    if temperature is None:
+        return dropout_masks.apply(p, keep, shape.dropout_rate), ds, None
+    return (dropout_masks.apply(p, keep, shape.dropout_rate), ds * temperature,
+            jnp.sum(ds * scores, axis=1, keepdims=True))
 
 
 def _table_gradient(acc, grad, columns, first, last, out):
@@ -255,20 +334,25 @@ def _head_steps():
     return first, last
 
 
-def _dq_kernel(*refs, shape: KernelShape):
-    """Grid (head, sequence, query tile, key tile): dq over key tiles, and c2p's table gradient over the head."""
+def _dq_kernel(*refs, shape: KernelShape, tiles):
+    """Grid (head, sequence, query tile, key tile step): dq and the temperature's gradient over key tiles, and
+    c2p's table gradient over the head."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
-    dq_ref, d_ec_ref = _pop(rest, True, shape.c2p)
-    dq_sc, ec_acc = _pop(rest, True, shape.c2p)
-    query_tile, key_tile = pl.program_id(2), pl.program_id(3)
+    dq_ref, d_ec_ref, dt_ref = _pop(rest, True, shape.c2p, shape.temperature)
+    dq_sc, ec_acc, dt_sc = _pop(rest, True, shape.c2p, shape.temperature)
+    step = pl.program_id(3)
+    query_tile, key_tile = tiles(pl.program_id(2), step)
 
-    @pl.when(key_tile == 0)
+    @pl.when(step == 0)
     def _():
         dq_sc[...] = jnp.zeros_like(dq_sc)
+        if shape.temperature:
+            dt_sc[...] = jnp.zeros_like(dt_sc)
 
     q, k = q_ref[...], k_ref[...]
-    _, ds = _score_grad(shape, q, k, v_ref[...], options, mask_ref[...] != 0, query_tile, key_tile,
-                        do_ref[...], lse_ref[...], delta_ref[...])
+    _, d_scores, dt = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do_ref[...],
+                                  lse_ref[...], delta_ref[...])
+    ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
     dq = _dot(ds.astype(k.dtype), k)
     if shape.c2p:
         ec_rows, _ = _table_rows(shape, options, query_tile, key_tile)
@@ -277,27 +361,33 @@ def _dq_kernel(*refs, shape: KernelShape):
         _table_gradient(ec_acc, _dot(q.T.astype(jnp.float32), per_distance),
                         _table_columns(shape, -1, query_tile, key_tile), *_head_steps(), d_ec_ref)
     dq_sc[...] += dq
+    if shape.temperature:
+        dt_sc[...] += dt
 
-    @pl.when(key_tile == pl.num_programs(3) - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _():
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+        if shape.temperature:
+            dt_ref[...] = _to_row(dt_sc[...])
 
 
-def _dkv_kernel(*refs, shape: KernelShape):
-    """Grid (head, sequence, key tile, query tile): dk and dv over query tiles, and p2c's table gradient."""
+def _dkv_kernel(*refs, shape: KernelShape, tiles):
+    """Grid (head, sequence, key tile, query tile step): dk and dv over query tiles, and p2c's table gradient."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
     dk_ref, dv_ref, d_eq_ref = _pop(rest, True, True, shape.p2c)
     dk_sc, dv_sc, eq_acc = _pop(rest, True, True, shape.p2c)
-    key_tile, query_tile = pl.program_id(2), pl.program_id(3)
+    step = pl.program_id(3)
+    query_tile, key_tile = tiles(pl.program_id(2), step)
 
-    @pl.when(query_tile == 0)
+    @pl.when(step == 0)
     def _():
         dk_sc[...] = jnp.zeros_like(dk_sc)
         dv_sc[...] = jnp.zeros_like(dv_sc)
 
     q, k, do = q_ref[...], k_ref[...], do_ref[...]
-    p, ds = _score_grad(shape, q, k, v_ref[...], options, mask_ref[...] != 0, query_tile, key_tile,
-                        do, lse_ref[...], delta_ref[...])
+    p, d_scores, _ = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do,
+                                 lse_ref[...], delta_ref[...])
+    ds = d_scores / shape.divisor
     dk = _dot(ds.T.astype(q.dtype), q)
     if shape.p2c:
         _, eq_rows = _table_rows(shape, options, query_tile, key_tile)
@@ -308,7 +398,7 @@ def _dkv_kernel(*refs, shape: KernelShape):
     dk_sc[...] += dk
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
-    @pl.when(query_tile == pl.num_programs(3) - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
@@ -322,17 +412,19 @@ _EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 4
                    "_dkv_kernel": lambda s: 3 + 4 * s.p2c}
 
 
-def _cost(kernel, shape: KernelShape, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
+def _cost(kernel, shape: KernelShape, grid, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
-    products of every tile pair (scores: q.k plus `[T, d] x [d, 2T]` per position term), one exp per score, and
-    the bytes the grid moves: blocks of the `resident` side (the one fixed along the innermost grid axis) once,
-    the other side's once per tile of the resident one, and each head's tables once per sequence."""
+    products of every tile pair the grid visits (scores: q.k plus `[T, d] x [d, 2T]` per position term; a window's
+    band, not every pair), one exp per score, and the bytes the grid moves: blocks of the `resident` side (the one
+    fixed along the innermost grid axis) once, the other side's once per step of that axis, an input shared by the
+    heads (the key mask, a temperature without a head axis) once per head, and each head's tables once per
+    sequence."""
     b, h, _, d = inputs[0][0].shape
-    n = shape.num_tiles
-    pairs = b * h * n ** 2
+    pairs = b * h * grid[2] * grid[3]
     unit = 2 * shape.tile ** 2 * d
     products = 1 + 2 * (shape.c2p + shape.p2c) + _EXTRA_PRODUCTS[kernel.__name__](shape)
-    streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else n) for x, (_, side) in zip(*inputs))
+    streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else grid[3]) * (b * h // math.prod(x.shape[:2]))
+                   for x, (_, side) in zip(*inputs))
     streamed += sum(x.size * x.dtype.itemsize * b for x in tables)
     written = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(out_shapes))
     return pl.CostEstimate(flops=pairs * unit * products, transcendentals=pairs * shape.tile ** 2,
@@ -342,15 +434,16 @@ def _cost(kernel, shape: KernelShape, inputs, tables, resident: str | None, out_
 def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, out_specs, scratch, semantics,
           resident: str | None, order=lambda *g: g):
     """One pallas_call over `grid`: `order(*grid point)` is its (sequence, head, x, y) and `tiles(x, y)` its
-    (query tile, key tile), which per-token inputs follow (q-side or k-side); `resident` is the side whose tile the
-    innermost grid axis keeps ("q", "k" or None)."""
+    (query tile, key tile), which per-token inputs follow (q-side or k-side) and the kernel reads; `resident` is the
+    side whose tile the innermost grid axis keeps ("q", "k" or None)."""
     t = shape.tile
 
     def spec(x, block, side):
         def index(*point):
             b, h, i, j = order(*point)
             tile = tiles(i, j)[0 if side == "q" else 1]
-            return {"token": (b, h, tile, 0), "row": (b, h, 0, tile), "mask": (b, 0, tile)}[block]
+            head = h if x.shape[1] > 1 else 0  # a row shared by the heads (a temperature without a head axis)
+            return {"token": (b, h, tile, 0), "row": (b, head, 0, tile), "mask": (b, 0, tile)}[block]
         shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "mask": (None, 1, t)}
         return pl.BlockSpec(shapes[block], index)
 
@@ -358,9 +451,9 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
     # A head's expanded tables stay in VMEM while its tiles go by (their block changes only with the head).
     in_specs += [pl.BlockSpec((None,) + x.shape[1:], lambda *point: (order(*point)[1], 0, 0)) for x in tables]
     operands = list(inputs[0]) + list(tables)
-    body = functools.partial(kernel, shape=shape)
+    body = functools.partial(kernel, shape=shape, tiles=tiles)
 
-    cost = _cost(kernel, shape, inputs, tables, resident, out_shapes)
+    cost = _cost(kernel, shape, grid, inputs, tables, resident, out_shapes)
     # VMEM for every block twice (Pallas double-buffers them) and the scratch, plus 16 MiB for the tile's
     # intermediates, at least 32 MiB. v5e/v5p/v6e chips have 95-128 MiB: DeBERTa-base's whole-head tables (and the
     # table-gradient kernel's float32 accumulators) reach that at about 24k tokens.
@@ -390,9 +483,9 @@ _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensi
 
 def _options(shape: KernelShape, options):
     """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables)."""
-    query_hash, key_hash, ec, eq = options
-    rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout))
-            if on]
+    query_hash, key_hash, temperature, ec, eq = options
+    rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout),
+                                            (temperature, _ROW_Q, shape.temperature)) if on]
     return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c)) if on]
 
 
@@ -406,7 +499,7 @@ def _forward(shape: KernelShape, q, k, v, mask, options):
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
     out, lse = _call(
-        _forward_kernel, shape, (b, h, n, n), lambda i, j: (i, j),
+        _forward_kernel, shape, (b, h, n, shape.key_band), lambda i, j: (i, shape.key_tile(i, j)),
         *_inputs(shape, (q, k, v, mask), (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK), options),
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, n_pad), jnp.float32)],
         [pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0)),
@@ -439,25 +532,33 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
     token = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
-    _, _, ec, eq = options
+    _, _, temperature, ec, eq = options
 
     def semantics(accumulates):
         return (_PARALLEL,) + ((_ARBITRARY,) * 3 if accumulates else (_PARALLEL, _PARALLEL, _ARBITRARY))
 
-    def like(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    def outputs(*items):
+        """(shapes, specs, scratch) of the outputs that are on, from items (on, an array like it, spec, scratch)."""
+        on = [item for item in items if item[0]]
+        return ([jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x, _, _ in on], [spec for _, _, spec, _ in on],
+                [scratch for _, _, _, scratch in on])
 
-    dq, *d_ec = _call(
-        _dq_kernel, shape, (h, b, n, n), lambda i, j: (i, j), inputs, tables,
-        [like(q)] + ([like(ec)] if shape.c2p else []), [token] + [whole_table] * shape.c2p,
-        [pltpu.VMEM((t, d), jnp.float32)] + [accumulator] * shape.c2p, semantics(shape.c2p), resident="q",
-        order=order)
+    # dq, c2p's table gradient and the temperature's gradient per head (rows, like the log-sum-exp).
+    dq, *rest = _call(
+        _dq_kernel, shape, (h, b, n, shape.key_band), lambda i, j: (i, shape.key_tile(i, j)), inputs, tables,
+        *outputs((True, q, token, pltpu.VMEM((t, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
+                 (shape.temperature, lse, pl.BlockSpec((None, None, 1, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
+                  pltpu.VMEM((t, 1), jnp.float32))),
+        semantics(shape.c2p), resident="q", order=order)
+    d_ec, dt = _pop(rest, shape.c2p, shape.temperature)
     dk, dv, *d_eq = _call(
-        _dkv_kernel, shape, (h, b, n, n), lambda j, i: (i, j), inputs, tables,
-        [like(k), like(v)] + ([like(eq)] if shape.p2c else []), [token, token] + [whole_table] * shape.p2c,
-        [pltpu.VMEM((t, d), jnp.float32)] * 2 + [accumulator] * shape.p2c, semantics(shape.p2c), resident="k",
-        order=order)
-    d_options = (None, None, d_ec[0] if d_ec else None, d_eq[0] if d_eq else None)
+        _dkv_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs, tables,
+        *outputs((True, k, token, pltpu.VMEM((t, d), jnp.float32)), (True, v, token, pltpu.VMEM((t, d), jnp.float32)),
+                 (shape.p2c, eq, whole_table, accumulator)),
+        semantics(shape.p2c), resident="k", order=order)
+    if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
+        dt = jnp.sum(dt, axis=1, keepdims=True)
+    d_options = (None, None, dt, d_ec, d_eq[0] if d_eq else None)
     return dq, dk, dv, None, d_options
 
 
@@ -474,9 +575,8 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     needs a multiple of 128).
     """
     unsupported = [name for name, value in (("per-distance bias (ALiBi, T5)", terms.bias),
-                                            ("attention_temperature", terms.temperature),
                                             ("c2p/p2c products", terms.c2p if terms.c2p is not None else terms.p2c))
-                   if value is not None] + (["attention_window"] if terms.window else [])
+                   if value is not None]
     if unsupported:
         raise ValueError(f"attention_kernel='pallas_tpu' does not implement {', '.join(unsupported)}; "
                          "use attention_kernel='dense' or 'blockwise'")
@@ -487,19 +587,24 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     relative = terms.relative is not None
     dropout = dropout_key is not None and dropout_rate > 0
     shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
-                        relative and terms.pos_query is not None, float(dropout_rate) if dropout else 0.0)
+                        relative and terms.pos_query is not None, float(dropout_rate) if dropout else 0.0,
+                        temperature=terms.temperature is not None,
+                        window=terms.window if terms.window < length else 0)
     pad = shape.padded - length
 
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    query_hash = key_hash = ec = eq = None
+    query_hash = key_hash = temperature = ec = eq = None
     if dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
         positions = np.arange(shape.padded)
         query_hash, key_hash = dropout_masks.attention_hashes(dropout_key, batch, heads, positions, positions)
         query_hash = jnp.swapaxes(query_hash, -1, -2)  # a row per head, like the log-sum-exp
+    if shape.temperature:  # `[B, 1 or H, N, 1]` -> a row per head (or for every head), like the log-sum-exp
+        temperature = jnp.pad(jnp.swapaxes(terms.temperature.astype(jnp.float32), -1, -2),
+                              [(0, 0), (0, 0), (0, 0), (0, pad)], constant_values=1.0)
     if shape.c2p or shape.p2c:
         forward, reverse = expand_tables(terms.relative.by_distance, shape)
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
@@ -512,7 +617,8 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # XLA cannot partition a Mosaic call: each device runs it on its rows of the batch, which a run's mesh
         # splits over all of its axes (`train.sharding.batch_sharding`); the tables are replicated.
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=(rows, rows, rows, rows, (rows, rows, whole, whole)),
+        attend = jax.shard_map(attend, mesh=mesh,
+                               in_specs=(rows, rows, rows, rows, (rows, rows, rows, whole, whole)),
                                out_specs=rows, check_vma=False)
-    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, ec, eq))
+    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq))
     return out[:, :, :length]

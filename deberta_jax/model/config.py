@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
+from deberta_jax.kernels.dispatch import KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
 # The variants that add a bias per distance to the scores, which the fused TPU kernel does not implement.
@@ -392,10 +392,10 @@ class ModelConfig:
             _fail("relative_position_policy", self.relative_position_policy,
                   "scales relative distances, and attention='entangled' has none; for a learned absolute table "
                   "use absolute_position_policy='interpolate'")
-        if self.attention_kernel in FUSED_KERNELS and (self.attention_window or self.attention_temperature != "none"):
+        if self.attention_kernel == "pallas" and (self.attention_window or self.attention_temperature != "none"):
             _fail("attention_kernel", self.attention_kernel,
-                  "the fused Pallas kernels implement neither attention_window nor attention_temperature; "
-                  "use attention_kernel='dense' or 'blockwise' with them")
+                  "the GPU kernel implements neither attention_window nor attention_temperature; use "
+                  "attention_kernel='pallas_tpu' on TPUs, or 'dense' or 'blockwise', with them")
 
     def _validate_computation(self) -> None:
         """How the parameters are computed with: DeBERTa's relative terms, rematerialization."""

@@ -13,7 +13,7 @@ import pytest
 
 from deberta_jax.kernels.dense import dense_attention
 from deberta_jax.kernels.pallas_tpu import KernelShape, expand_tables, pallas_tpu_attention
-from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances
+from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances, in_window, window_starts
 from deberta_jax.model import positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from tests.kernels.test_kernels import outputs_and_grads
@@ -98,15 +98,11 @@ def test_expanded_tables_read_every_distance_in_place():
 
 @pytest.mark.parametrize("change,message", [
     (dict(bias=True), "per-distance bias"),
-    (dict(window=16), "attention_window"),
-    (dict(temperature=True), "attention_temperature"),
 ])
 def test_refuses_what_it_does_not_implement(change, message):
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
     if change.pop("bias", False):
         change["bias"] = positions.alibi_bias(37, 37, H)
-    if change.pop("temperature", False):
-        change["temperature"] = jnp.ones((B, 1, 37, 1))
     with pytest.raises(ValueError, match=message):
         pallas_tpu_attention(dataclasses.replace(terms, **change), v, key_mask)
 
@@ -114,20 +110,24 @@ def test_refuses_what_it_does_not_implement(change, message):
 def test_config_refuses_a_per_distance_bias_with_the_tpu_kernel():
     with pytest.raises(ConfigError, match=r"model.attention_kernel='pallas_tpu'.*attention='alibi'"):
         ModelConfig(attention="alibi", attention_kernel="pallas_tpu")
+    ModelConfig(attention_kernel="pallas_tpu", attention_window=16, attention_temperature="log_length",
+                trained_length=16)
     with pytest.raises(ConfigError, match="attention_window"):
-        ModelConfig(attention_kernel="pallas_tpu", attention_window=16)
+        ModelConfig(attention_kernel="pallas", attention_window=16)
 
 
 def test_model_with_the_tpu_kernel_equals_the_dense_one():
     """DeBERTa with EMD (re-applying its one layer), separate position projections and log buckets, training with
     dropout as published (0.1, attention and hidden; one dropout seed, so each attention call draws the same key
-    with either kernel): logits and every parameter's gradient agree."""
+    with either kernel), with both length methods (a window of 24 over 40 tokens, the log-length temperature of a
+    model trained at 16): logits and every parameter's gradient agree."""
     from flax import nnx
 
     from deberta_jax.model.encoder import MaskedLM
     base = dict(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                 max_position_embeddings=64, position_buckets=8, max_relative_positions=16, share_att_key=False,
-                emd_layers=1, hidden_dropout=0.1, attention_dropout=0.1)
+                emd_layers=1, hidden_dropout=0.1, attention_dropout=0.1, attention_window=24,
+                attention_temperature="log_length", trained_length=16)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 40)))
     mask = jnp.ones((2, 40), jnp.int32).at[1, 31:].set(0)
     results = []
@@ -195,3 +195,58 @@ def test_dropout_mask_does_not_depend_on_the_tile_size():
     terms, v, key_mask = table_inputs(("c2p",), R // 2, n=21)
     want = outputs_and_grads(jax.jit(functools.partial(dense_attention, **dropout)), terms, v, key_mask)
     assert max_error(outputs_and_grads(fused(tile=8, **dropout), terms, v, key_mask), want) < 3e-6
+
+
+@pytest.mark.parametrize("window,heads,dropout_rate", [(12, H, 0.2), (5, 1, 0.0)])
+def test_temperature_and_window_equal_the_dense_kernel(window, heads, dropout_rate):
+    """A temperature per query (per head, as a learned one, or shared by the heads) and a window of 12 or 5 over 37
+    positions in tiles of 8 (a band of 3 key tiles of 5; the last tile ragged), with padding and dropout: outputs at
+    real queries and every gradient, the temperature's included, equal the dense kernel's (observed ~4e-6, the
+    temperature's). Padding queries get no cotangent: a window of 5 holds only padding for the last ones, whose
+    outputs the two kernels average over different keys (the module's Scope)."""
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
+    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (B, heads, 37, 1)), jnp.float32)
+    terms = dataclasses.replace(terms, temperature=temperature, window=window)
+    dropout = dict(dropout_rate=dropout_rate, dropout_key=jax.random.key(1))
+    real = key_mask[:, None, :, None] > 0
+    cotangent = jnp.where(real, jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32), 0.0)
+
+    def outputs_and_grads(kernel):
+        def loss(terms, v):
+            out = kernel(terms, v, key_mask, **dropout)
+            return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(terms, v)
+    (_, out), grads = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=8))
+    (_, want_out), want_grads = outputs_and_grads(dense_attention)
+    assert KernelShape(37, 8, 1.0, True, True, window=window).key_band == 3
+    assert max_error(out, want_out) < 2e-6
+    assert grads[0].temperature.shape == temperature.shape
+    assert max_error(grads, want_grads) < 1e-5
+
+
+@pytest.mark.parametrize("length,tile,window", [(37, 8, 12), (37, 8, 5), (37, 8, 2), (40, 8, 17), (300, 16, 64),
+                                                (129, 16, 128), (64, 16, 63)])
+def test_window_bands_reach_every_pair_in_a_window(length, tile, window):
+    """Each query tile's band of key tiles (forward, dq) holds every key its queries' windows reach, and each key
+    tile's band of query tiles (dk/dv) every query whose window reaches its keys; bands stay inside the tiles."""
+    shape = KernelShape(length, tile, 1.0, False, False, window=window)
+    n = shape.num_tiles
+    pairs = np.argwhere(in_window(length, length, window, np.arange(length)))
+    queries, keys = pairs[:, 0] // tile, pairs[:, 1] // tile
+    key_first = np.asarray([int(shape.key_tile(i, 0)) for i in range(n)])
+    query_first = np.asarray([int(shape.query_tile(j, 0)) for j in range(n)])
+    assert key_first.min() >= 0 and key_first.max() + shape.key_band <= n
+    assert query_first.min() >= 0 and query_first.max() + shape.query_band <= n
+    assert np.all((key_first[queries] <= keys) & (keys < key_first[queries] + shape.key_band))
+    assert np.all((query_first[keys] <= queries) & (queries < query_first[keys] + shape.query_band))
+    np.testing.assert_array_equal(shape.window_start(np.arange(length)), window_starts(length, length, window))
+
+
+def test_windowed_tile_pairs_grow_as_length_times_window():
+    """Tiles of 128 and a window of 64 (the 8x study's): 3 key tiles per query tile at any length, so the pairs
+    visited (the grid, and the cost estimate's products) grow with N, not N^2; a window of 512 visits 5."""
+    pairs = {n: KernelShape(n, 128, 1.0, True, True, window=64) for n in (2048, 16384)}
+    assert [shape.key_band for shape in pairs.values()] == [3, 3]
+    assert [shape.query_band for shape in pairs.values()] == [3, 3]
+    assert KernelShape(16384, 128, 1.0, True, True, window=512).key_band == 5
+    assert KernelShape(16384, 128, 1.0, True, True).key_band == 128

@@ -22,14 +22,15 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", True)
 
 
-def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, **options):
-    """The compiled value and gradients (every input) of one DeBERTa attention call with `options` (ScoreTerms
-    fields) on one chip of `topology`."""
+def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, temperature=True, window=0):
+    """The compiled value and gradients (every input) of one DeBERTa attention call on one chip of `topology`, with
+    attention dropout, a temperature per query and head (a learned one's shape) and a window."""
     device = SingleDeviceSharding(tpu_slice(topology).devices[0])
     spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)  # noqa: E731
     rel = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
     terms = ScoreTerms(q=spec(1, heads, n, d), k=spec(1, heads, n, d), pos_key=spec(heads, 64, d),
-                       pos_query=spec(heads, 64, d), relative=RelativeIndex(rel), key_len=n, **options)
+                       pos_query=spec(heads, 64, d), relative=RelativeIndex(rel), key_len=n, window=window,
+                       temperature=spec(1, heads, n, 1, dtype=jnp.float32) if temperature else None)
 
     def loss(terms, v, key_mask):
         out = pallas_tpu_attention(terms, v, key_mask, dropout_rate=dropout_rate,
@@ -41,5 +42,18 @@ def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 def test_every_option_compiles_for_tpus(topology):
-    """Attention dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels)."""
-    assert compile_for_tpu(topology, 256) is not None
+    """Attention dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels), a
+    temperature per head (its gradient's row reductions) and a window of 64 over 384 positions (index maps that
+    compute the key tile from the query tile, the window's mask from the tile's iotas)."""
+    assert compile_for_tpu(topology, 384, window=64) is not None
+
+
+def test_a_windowed_call_costs_length_times_window():
+    """The compiled program's FLOPs and bytes (XLA's count, which takes the kernels' cost estimates) for a window of
+    64: 4x the length costs 4x, where the full call costs about 16x."""
+    def cost(n, window):
+        analysis = compile_for_tpu("v5e:2x2", n, window=window).cost_analysis()
+        return analysis["flops"], analysis["bytes accessed"]
+    short, long = cost(1024, 64), cost(4096, 64)
+    assert [b / a for a, b in zip(short, long)] == pytest.approx([4, 4], rel=0.05)
+    assert cost(4096, 0)[0] > 14 * cost(1024, 0)[0]
