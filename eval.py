@@ -65,7 +65,8 @@ flags.DEFINE_list("methods", _csv(_DEFAULTS.methods),
                   f"Also score every trained model past its training length under each of these, of "
                   f"{tuple(length_study.LENGTH_METHODS)} (labelled <model>+<method>): log_length scales each query's "
                   "scores by log(keys seen) / log(L), window attends to the L positions around each query, "
-                  "interpolate_distances multiplies relative distances by L / N.")
+                  "window_global also to each row's [CLS] and closing [SEP], interpolate_distances multiplies "
+                  "relative distances by L / N.")
 flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {tuple(protocols.PROTOCOLS)}.")
 flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
 flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,

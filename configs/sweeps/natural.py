@@ -31,6 +31,18 @@ sliding window, interpolated distances).
 T5 bias, NoPE) under this recipe, the ablation rerun with the recipe that moves BERT, at seed 0 only. It shares
 `runs/natural` with the default set (same recipe, same workdir names), so the three runs above are trained once;
 its report goes to results/natural-core.
+
+`:far` asks how far `:flat`'s answer reaches, and whether a temperature learned in training does better than one
+applied at evaluation: relative-only DeBERTa, RoPE and T5 bias as in `:flat` (the same runs), and DeBERTa and RoPE
+trained with Scalable-Softmax's learned temperature (`attention_temperature="learned"`: a slope per head times
+log(keys seen), from the first step), two seeds, scored to 32x (2,048 tokens) as trained, with the log-length
+temperature (not for the learned ones, which already scale by log(keys seen)), the window, and the window that
+keeps each row's [CLS] and closing [SEP] visible to every query. Its report goes to results/natural-far.
+
+`:scale` asks whether `:flat`'s answer holds at a second scale: a 4 x 128 encoder trained at length 128 for 5,000
+steps of 32 x 128 (the same 20M tokens as the recipe above, the rest of the recipe unchanged), relative-only
+DeBERTa, RoPE and T5 bias at two seeds, scored to 16x (2,048 tokens) as trained, with the log-length temperature and
+with the window. About two hours of one CPU core per run; runs/natural-scale, report to results/natural-scale.
 """
 
 from ml_collections import config_dict
@@ -44,11 +56,18 @@ SEED_NAMES = ("bert", "nope")
 FLAT_NAMES = ("deberta-emd", "rope", "t5-bias")
 # The published DeBERTa-v3 relative table, whatever the training length.
 V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
-ARGS = ("", "core", "seeds", "flat", "smoke")
+ARGS = ("", "core", "seeds", "flat", "far", "scale", "smoke")
+FAR_MULTIPLES = [1, 2, 4, 8, 16, 32]
+_LEARNED = dict(attention_temperature="learned")
+# The second scale: twice the layers at twice the training length, half the steps (the same tokens).
+SCALE_MODEL = dict(num_layers=4)
+SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES = 128, 5_000, [1, 2, 4, 8, 16]
 TITLES = {"": "BERT past the unigram plateau on natural text",
           "core": "DeBERTa terms and position schemes, natural-text recipe",
           "seeds": "How often BERT learns its positions: five seeds of BERT and NoPE, natural-text recipe",
-          "flat": "Keeping DeBERTa flat past the training length: length methods and v3 buckets, natural-text recipe"}
+          "flat": "Keeping DeBERTa flat past the training length: length methods and v3 buckets, natural-text recipe",
+          "far": "How far the length methods reach, and a learned temperature: to 32x, natural-text recipe",
+          "scale": "Keeping DeBERTa flat at a second scale: 4 x 128 trained at length 128, natural-text recipe"}
 
 
 def recipe() -> dict:
@@ -65,6 +84,12 @@ def _variants(arg: str) -> list:
         return variants.core()
     if arg == "seeds":
         return [v for v in variants.core() if v.name in SEED_NAMES]
+    if arg == "scale":
+        return [v for v in variants.core() if v.name in FLAT_NAMES]
+    if arg == "far":
+        chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
+        return chosen + [variants.variant(f"{v.name}-learned", v.config, **v.overrides.model, **_LEARNED)
+                         for v in chosen if v.name != "t5-bias"]
     if arg == "flat":
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
@@ -77,33 +102,42 @@ def get_config(arg: str = ""):
     seeds = {"core": [0], "seeds": [0, 1, 2, 3, 4]}.get(arg, [0, 1])
     sweep = config_dict.ConfigDict()
     sweep.title = TITLES.get(arg, TITLES[""])
+    scale = arg == "scale"
+    layers, seq_len, steps = (SCALE_MODEL["num_layers"], SCALE_SEQ_LEN, SCALE_STEPS) if scale else (2, 64, 10_000)
+    multiples = SCALE_MULTIPLES if scale else FAR_MULTIPLES if arg == "far" else [1, 2, 4, 8]
     sweep.description = (
-        "Masked-LM encoders (2 x 128, 4 heads, vocab 4096) trained at length 64 on Brown train for 10,000 steps of "
-        "32 sequences (learning rate 2e-3, no dropout, 30% masking), the same batches for every variant; chunked "
-        "loss and accuracy on Brown valid and WikiText-2 test at 1x-8x the training length "
+        f"Masked-LM encoders ({layers} x 128, 4 heads, vocab 4096) trained at length {seq_len} on Brown train for "
+        f"{steps:,} steps of 32 sequences (learning rate 2e-3, no dropout, 30% masking), the same batches for every "
+        f"variant; chunked loss and accuracy on Brown valid and WikiText-2 test at 1x-{multiples[-1]}x the training "
+        "length "
         + ("(one seed: 95% bootstrap intervals over documents). " if len(seeds) == 1 else
            f"(mean of {len(seeds)} seeds with a 95% t-interval over seeds: results.json.gz has each seed). ")
         + "BERT's learned table is shown with the 'clip' policy here; summary.md has "
         "'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor."
         + (" `<model>+<method>` is the model scored with a length method: `log_length` scales each query's scores "
-           "by log(keys seen) / log(64) past 64 keys, `window` lets each query attend to the 64 positions around it, "
-           "`interpolate_distances` multiplies relative distances by 64 / N." if arg in ("seeds", "flat") else ""))
+           f"by log(keys seen) / log({seq_len}) past {seq_len} keys, `window` lets each query attend to the "
+           f"{seq_len} positions around it, `window_global` also to its row's [CLS] and closing [SEP], "
+           f"`interpolate_distances` multiplies relative distances by {seq_len} / N; `-learned` runs trained a "
+           "slope per head times log(keys seen) into every score." if arg in ("seeds", "flat", "far", "scale") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = _variants(arg)
     sweep.seeds = seeds
-    sweep.seq_lens = [64]
+    sweep.seq_lens = [seq_len]
     overrides = recipe()
+    if scale:
+        overrides["model"].update(SCALE_MODEL)
+        overrides["train"].update(num_steps=steps, checkpoint_every=1250)
     overrides["data"].update(train_files=data + "/brown/train.txt", eval_files=data + "/brown/valid.txt")
     sweep.common_overrides = config_dict.ConfigDict(overrides)
-    sweep.workdir_root = "runs/natural"
-    sweep.report_dir = {"core": "results/natural-core", "seeds": "results/natural-seeds",
-                        "flat": "results/natural-flat"}.get(arg, "results/natural")
+    sweep.workdir_root = "runs/natural-scale" if scale else "runs/natural"
+    sweep.report_dir = "results/natural" + (f"-{arg}" if arg in ("core", "seeds", "flat", "far", "scale") else "")
     sweep.table_policy = "clip"
-    methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"]}
+    methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"],
+               "far": ["log_length", "window", "window_global"], "scale": ["log_length", "window", "window_global"]}
     sweep.eval = variants.eval_settings(
         {"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
-        methods=methods.get(arg, methods["flat"] if arg == "smoke" else []))
+        multiples=multiples, methods=methods.get(arg, methods["flat"] if arg == "smoke" else []))
     if arg == "smoke":  # seconds: for tests of the config
         variants.shrink_to_smoke(sweep, vocab_size=300)
     return sweep

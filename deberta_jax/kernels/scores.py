@@ -6,14 +6,15 @@
     and position-to-content products with the R reachable rows of the relative table, and `relative`, the row
     for each distance `i - j` (a static `RelativeIndex`);
   - `bias` `[H, Nq + Nk - 1]`: an additive bias per distance (ALiBi, T5);
-  - `temperature` `[B, 1, Nq, 1]`: a factor per query on its whole score row (length-aware attention), and
-    `window`: how many positions around each query it may attend to (0: all; see `window_starts`).
+  - `temperature` `[B, 1 or H, Nq, 1]`: a factor per query (and head, when learned) on its whole score row
+    (length-aware attention), and `window`: how many positions around each query it may attend to (0: all; see
+    `window_starts`), besides the `global_keys` `[B, 1, Nk]` (bool, or None) every query sees.
 The score is, for every variant,
 
     A[i, j] = t_i * ((q_i . k_j + c2p[i, idx(i - j)] + p2c[j, idx(i - j)]) / sqrt(d * (1 + number of position terms))
                      + bias[i - j])
 
-with `t_i = 1` without a temperature, and keys outside query i's window masked like padding.
+with `t_i = 1` without a temperature, and keys outside query i's window (and not global) masked like padding.
 
 (BERT, NoPE and RoPE have neither position term nor bias; DeBERTa's terms are off one by one in the ablations).
 `combine_scores` writes that formula once and `mask_keys` the key-masking rule; the dense and blockwise kernels
@@ -122,7 +123,8 @@ class ScoreTerms:
     # (p2c), for `shifted_relative_terms` (every query against every key, the dense kernel).
     pos_key: jax.Array | None = None
     pos_query: jax.Array | None = None
-    temperature: jax.Array | None = None  # [B, 1, Nq, 1]: query side, like q
+    temperature: jax.Array | None = None  # [B, 1 or H, Nq, 1]: query side, like q
+    global_keys: jax.Array | None = None  # [B, 1, Nk] bool: keys outside the window that every query sees
     relative: RelativeIndex | None = dataclasses.field(default=None, metadata=dict(static=True))
     key_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # Nk of the whole sequence
     window: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: every key
@@ -138,7 +140,7 @@ class ScoreTerms:
 
     def key_side(self) -> dict:
         """The leaves indexed by key (third axis): what a blockwise kernel cuts into blocks."""
-        return {"k": self.k, "p2c": self.p2c}
+        return {"k": self.k, "p2c": self.p2c, "global_keys": self.global_keys}
 
     def with_keys(self, keys: dict) -> ScoreTerms:
         """These terms with the key side replaced (a block of keys, or None to keep only the query side)."""
@@ -164,7 +166,10 @@ class ScoreTerms:
             bias = toeplitz(self.bias, np.arange(n_q), key_positions, self.key_len)
         scores = combine_scores(dot, relative, bias, self.divisor, self.temperature)
         if self.window and self.window < self.key_len:
-            scores = jnp.where(in_window(n_q, self.key_len, self.window, key_positions), scores, NEG_INF)
+            visible = in_window(n_q, self.key_len, self.window, key_positions)
+            if self.global_keys is not None:
+                visible = visible | self.global_keys[:, :, None, :]
+            scores = jnp.where(visible, scores, NEG_INF)
         return scores
 
 

@@ -37,8 +37,10 @@ class PositionContext:
       case a learned table reads those rows directly instead of applying the out-of-range policy;
     - `bias` `[H, 2N - 1]`: score bias added by ALiBi and T5 per distance `i - j`
       (`kernels.scores.distances`), else None;
-    - `temperature` `[B, 1, N, 1]`: the factor on each query's scores (`ModelConfig.attention_temperature`), else
-      None;
+    - `temperature` `[B, 1, N, 1]`: the factor on each query's scores (`ModelConfig.attention_temperature`
+      "log_length"), else None; `log_keys` `[B, 1, N, 1]`: the log of the keys each query sees, which a learned
+      temperature scales by its per-head slope (else None);
+    - `global_keys` `[B, 1, N]`: the keys every query sees besides its window (`window_global_tokens`), else None;
     - `rel_embeddings` / `relative` (disentangled): the (LayerNorm'd) relative-table rows `[R, hidden]`
       that the current length can reach, and the row for each distance `i - j` (`RelativeIndex`).
       Projecting only reachable rows keeps short sequences from paying for the whole 2k-row table.
@@ -52,6 +54,8 @@ class PositionContext:
     rel_embeddings: jax.Array | None = None
     relative: RelativeIndex | None = None
     temperature: jax.Array | None = None
+    log_keys: jax.Array | None = None
+    global_keys: jax.Array | None = None
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -93,6 +97,10 @@ class SelfAttention(nnx.Module):
         self.pos_key_proj = dense(cfg, h, h, rngs) if separate and "c2p" in cfg.pos_att_type else None
         self.pos_query_proj = dense(cfg, h, h, rngs) if separate and "p2c" in cfg.pos_att_type else None
         self.pos_dropout = Dropout(cfg.hidden_dropout)
+        # Scalable-Softmax's slope per head, starting where the fixed log-length temperature is at the training
+        # length (a factor of 1 on rows of L keys).
+        self.temperature_slope = nnx.Param(jnp.full((cfg.num_heads,), 1 / np.log(cfg.effective_trained_length),
+                                                    jnp.float32)) if cfg.attention_temperature == "learned" else None
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""
@@ -118,7 +126,11 @@ class SelfAttention(nnx.Module):
         q = split_heads(self.query_proj(query_states), cfg.num_heads)
         k = split_heads(self.key_proj(hidden), cfg.num_heads)
         v = split_heads(self.value_proj(hidden), cfg.num_heads)
-        terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2], temperature=ctx.temperature, window=cfg.attention_window)
+        temperature = ctx.temperature
+        if self.temperature_slope is not None:
+            temperature = ctx.log_keys * self.temperature_slope[...][None, :, None, None]
+        terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2], temperature=temperature, window=cfg.attention_window,
+                           global_keys=ctx.global_keys)
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
             # The TPU kernel and the dense kernel's shift formulation take the projected tables themselves.

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from deberta_jax.kernels.dispatch import KERNELS
+from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
 # The variants that add a bias per distance to the scores, which the fused TPU kernel does not implement.
@@ -35,7 +35,7 @@ COMPUTATION_FIELDS = ("attention_kernel", "attention_block_size", "remat", "scan
 # Fields a trained model can be run under with other values, its parameters unchanged (`ModelConfig.with_options`):
 # the computation fields, and what happens to positions past the training length.
 OPTION_FIELDS = COMPUTATION_FIELDS + ("absolute_position_policy", "clamp_relative_positions", "attention_temperature",
-                                      "attention_window", "relative_position_policy")
+                                      "attention_window", "window_global_tokens", "relative_position_policy")
 # How the dense kernel computes DeBERTa's c2p / p2c terms (`kernels.scores`): "gather" reads each (i, j) pair's
 # entry from the products with the reachable relative rows; "shift" multiplies by the rows expanded per distance and
 # shifts the result into place; "auto" is "shift" on TPU and GPU, "gather" on CPU (`relative_terms_for`).
@@ -43,7 +43,7 @@ RELATIVE_TERMS = ("auto", "gather", "shift")
 # What the relative schemes do with distances past the training length (`ModelConfig.distance_scale`).
 RELATIVE_POSITION_POLICIES = ("exact", "interpolate")
 # Attention temperature as a function of how many keys a query sees (`ModelConfig.attention_temperature`).
-ATTENTION_TEMPERATURES = ("none", "log_length")
+ATTENTION_TEMPERATURES = ("none", "log_length", "learned")
 
 
 class ConfigError(ValueError):
@@ -122,6 +122,10 @@ class ModelConfig:
         (Chiang and Cholak 2022; Scalable-Softmax, Nakanishi 2025, with a fixed rather than learned slope). The
         floor at 1 keeps the scores of rows up to `L` tokens, so a model trains identically with or without it
         and evaluates identically at 1x; it is set in training only so the run's config carries it.
+        `"learned"` is Scalable-Softmax's own form, a model of its own rather than an option: query i's scores in
+        head h are multiplied by `s_h * log(n_i)`, `s_h` a parameter of every layer, trained from the first step
+        (initialised to `1 / log(L)`, so a fresh model scores rows of L tokens as one without it). It has no floor:
+        at lengths below L the factor falls below 1, as in the paper.
       - `attention_window=W` (0: every key) lets each query attend only to the W consecutive positions around
         it, centered (`W // 2` before it) and shifted at either end of the row so that every query of a row of
         at least W positions sees exactly W of them: sliding-window evaluation (LeX, Sun et al. 2023), which at
@@ -191,6 +195,7 @@ class ModelConfig:
     relative_terms: str = "auto"
     attention_temperature: str = "none"
     attention_window: int = 0
+    window_global_tokens: bool = False
     relative_position_policy: str = "exact"
 
     def __post_init__(self):
@@ -237,6 +242,10 @@ class ModelConfig:
         if other:
             raise ConfigError(f"model field(s) {other} cannot be changed on a trained model: they change its "
                               f"parameters; only {list(OPTION_FIELDS)} can")
+        new = fields.get("attention_temperature", self.attention_temperature)
+        if "learned" in (new, self.attention_temperature) and new != self.attention_temperature:
+            raise ConfigError(f"model.attention_temperature cannot change from {self.attention_temperature!r} to "
+                              f"{new!r} on a trained model: the learned temperature is a parameter of every layer")
         return dataclasses.replace(self, **fields)
 
     def distance_scale(self, seq_len: int) -> float:
@@ -379,9 +388,16 @@ class ModelConfig:
         """Temperature, window and distance interpolation past the training length, and what the kernel supports."""
         if self.attention_temperature not in ATTENTION_TEMPERATURES:
             _fail("attention_temperature", self.attention_temperature, f"choose one of {ATTENTION_TEMPERATURES}")
-        if self.attention_temperature == "log_length" and self.effective_trained_length < 2:
+        if self.attention_temperature != "none" and self.effective_trained_length < 2:
             _fail("attention_temperature", self.attention_temperature,
                   "divides by log(trained_length), which needs trained_length >= 2")
+        if self.window_global_tokens and not self.attention_window:
+            _fail("window_global_tokens", self.window_global_tokens,
+                  "keeps a row's first and last tokens visible to every query of a window; set attention_window too")
+        if self.window_global_tokens and self.attention_kernel in FUSED_KERNELS:
+            _fail("attention_kernel", self.attention_kernel,
+                  "the fused Pallas kernels skip the key tiles outside every window and have no global tokens; "
+                  "use attention_kernel='dense' or 'blockwise' with window_global_tokens")
         if self.attention_window < 0 or self.attention_window == 1:
             _fail("attention_window", self.attention_window,
                   "use 0 (every key) or the number of positions each query sees, >= 2 (e.g. the training length)")

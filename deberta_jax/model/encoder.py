@@ -158,12 +158,16 @@ class Encoder(nnx.Module):
                 # Row-wise, so normalizing a slice equals slicing the normalized table.
                 rel_embeddings = self.rel_norm(rel_embeddings)
             relative = RelativeIndex(positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo)
-        temperature = None
-        if cfg.attention_temperature == "log_length":
-            mask = np.ones((batch, seq_len), np.int32) if key_mask is None else key_mask
-            temperature = positions.length_temperature(mask, cfg.attention_window, cfg.effective_trained_length)
-        return PositionContext(position_ids=ids, sampled=sampled, bias=bias,
-                               rel_embeddings=rel_embeddings, relative=relative, temperature=temperature)
+        mask = np.ones((batch, seq_len), np.int32) if key_mask is None else key_mask
+        ends = positions.global_keys(mask) if cfg.window_global_tokens else None
+        temperature = log_keys = None
+        if cfg.attention_temperature != "none":
+            visible = positions.visible_keys(mask, cfg.attention_window, with_ends=cfg.window_global_tokens)
+            log_keys = positions.log_keys(visible)
+            if cfg.attention_temperature == "log_length":
+                temperature = jnp.maximum(log_keys / np.float32(np.log(cfg.effective_trained_length)), 1.0)
+        return PositionContext(position_ids=ids, sampled=sampled, bias=bias, rel_embeddings=rel_embeddings,
+                               relative=relative, temperature=temperature, log_keys=log_keys, global_keys=ends)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:
         """Run the first `num_layers` layers (all by default), as a loop or a `lax.scan` (`cfg.scan_layers`),

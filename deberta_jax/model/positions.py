@@ -83,22 +83,46 @@ def scaled_distances(query_len: int, key_len: int, scale: float) -> np.ndarray:
     return rel if scale == 1.0 else np.rint(rel * scale).astype(np.int32)
 
 
-def length_temperature(key_mask: jax.Array, window: int, trained_length: int) -> jax.Array:
-    """`max(1, log(n_i) / log(trained_length))` per query, `[B, 1, N, 1]` float32 (`ModelConfig.attention_temperature`).
+def row_ends(key_mask) -> tuple[jax.Array, jax.Array]:
+    """Each row's first and last real positions (`[B]` each): a packed row's [CLS] and closing [SEP]."""
+    mask = jnp.asarray(key_mask).astype(bool)
+    return jnp.argmax(mask, axis=-1), mask.shape[-1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
 
-    `n_i` is the number of real keys (`key_mask` `[B, N]`, 1 = real) query i may attend to: every real key of
-    its row, or those inside its window of `window` positions (`scores.window_starts`) when `window` is set.
-    """
+
+def global_keys(key_mask) -> jax.Array:
+    """`[B, 1, N]` bool, the keys `ModelConfig.window_global_tokens` keeps visible to every query of a window: each
+    row's first and last real positions (`row_ends`). Laid out like a key-side score term (`ScoreTerms`)."""
+    first, last = row_ends(key_mask)
+    position = jnp.arange(jnp.shape(key_mask)[-1])[None]
+    ends = (position == first[:, None]) | (position == last[:, None])
+    return (ends & jnp.asarray(key_mask).astype(bool))[:, None, :]
+
+
+def visible_keys(key_mask, window: int, with_ends: bool = False) -> jax.Array:
+    """`[B, N]` float32: how many real keys (`key_mask` `[B, N]`, 1 = real) each query may attend to: every real
+    key of its row, or those inside its window of `window` positions (`scores.window_starts`) when `window` is
+    set, plus, `with_ends`, the row's first and last real positions where they lie outside that window."""
     mask = jnp.asarray(key_mask, jnp.float32)
     n = mask.shape[-1]
+    if not window or window >= n:
+        return jnp.broadcast_to(mask.sum(-1, keepdims=True), mask.shape)
     counts = jnp.cumsum(jnp.pad(mask, [(0, 0), (1, 0)]), axis=-1)  # counts[:, p]: real keys before position p
-    if window and window < n:
-        starts = window_starts(n, n, window)
-        visible = counts[:, starts + window] - counts[:, starts]
-    else:
-        visible = jnp.broadcast_to(counts[:, -1:], mask.shape)
-    ratio = jnp.log(jnp.maximum(visible, 1.0)) / np.float32(math.log(trained_length))
-    return jnp.maximum(ratio, 1.0)[:, None, :, None]
+    starts = window_starts(n, n, window)
+    visible = counts[:, starts + window] - counts[:, starts]
+    if with_ends:
+        first, last = row_ends(key_mask)
+
+        def outside(p):  # [B, N]: position p of each row lies outside each query's window
+            return ((p[:, None] < starts) | (p[:, None] >= starts + window)).astype(jnp.float32)
+        real = mask.sum(-1, keepdims=True) > 0
+        visible = visible + real * (outside(first) + jnp.where((last != first)[:, None], outside(last), 0.0))
+    return visible
+
+
+def log_keys(visible: jax.Array) -> jax.Array:
+    """`log(n_i)` per query as `[B, 1, N, 1]` (a query with no real key counts one): the factor both temperatures
+    scale, by `1 / log(L)` (fixed) or by a learned slope per head."""
+    return jnp.log(jnp.maximum(visible, 1.0))[:, None, :, None]
 
 
 def relative_index(query_len: int, key_len: int, **kw) -> np.ndarray:

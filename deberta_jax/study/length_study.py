@@ -37,10 +37,14 @@ from deberta_jax.train import checkpoint, config_checks
 # parameter (`encoder.with_options`), made from the model's config; None where the method has nothing to act on.
 # The study scores each requested method as another model, labelled `<label>+<method>`.
 LENGTH_METHODS = {
-    # Scores scaled by log(keys seen) / log(L): attention as sharp over 8L keys as over L.
-    "log_length": lambda cfg: dict(attention_temperature="log_length"),
+    # Scores scaled by log(keys seen) / log(L): attention as sharp over 8L keys as over L. A model trained with a
+    # learned temperature already scales its scores by log(keys seen).
+    "log_length": lambda cfg: None if cfg.attention_temperature == "learned" else dict(
+        attention_temperature="log_length"),
     # Every query attends to the L positions around it: no unseen distance or key count.
     "window": lambda cfg: dict(attention_window=cfg.effective_trained_length),
+    # The same window, and every query also sees its row's [CLS] and closing [SEP] (local-global attention).
+    "window_global": lambda cfg: dict(attention_window=cfg.effective_trained_length, window_global_tokens=True),
     # Distances times L / N: a longer sequence spans the trained distances (absolute tables have their policies).
     "interpolate_distances": lambda cfg: None if cfg.attention == "entangled" else dict(
         relative_position_policy="interpolate"),
@@ -202,8 +206,8 @@ def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[Ev
         for name in methods:
             options = LENGTH_METHODS[name](em.model.cfg)
             if options is None:
-                logging.info("%s: length method %r does not apply (attention=%r)", em.label, name,
-                             em.model.cfg.attention)
+                logging.info("%s: length method %r does not apply (attention=%r, attention_temperature=%r)",
+                             em.label, name, em.model.cfg.attention, em.model.cfg.attention_temperature)
                 continue
             replaced = _replaced_training_options(em.model.cfg, options)
             if replaced:

@@ -1,5 +1,6 @@
-"""Options for running past the training length: log-length attention temperature, sliding windows, interpolated
-relative distances, and the length study's methods built on them.
+"""Options for running past the training length: log-length attention temperature (fixed, or learned per head),
+sliding windows (with or without global tokens), interpolated relative distances, and the length study's methods
+built on them.
 
 Each option must leave sequences of up to the training length exactly as they were (so a model trained without it
 evaluates the same at 1x), and past it must do what its docstring says: checked against a naive per-(i, j) loop,
@@ -57,13 +58,35 @@ def test_window_starts_are_centered_and_shifted_inside_the_row():
     np.testing.assert_array_equal(window_starts(3, 3, 4), [0, 0, 0])  # a row shorter than the window: all of it
 
 
+def length_temperature(key_mask, window, trained_length, with_ends=False):
+    """The log-length temperature `[B, 1, N, 1]` as the encoder builds it."""
+    cfg = ModelConfig(**dict(SCHEMES["bert"], trained_length=trained_length, attention_window=window,
+                             window_global_tokens=with_ends, attention_temperature="log_length"))
+    mask = np.asarray(key_mask)
+    return MaskedLM(cfg, rngs=nnx.Rngs(0)).encoder.position_context(*mask.shape, key_mask=mask).temperature
+
+
 def test_length_temperature_counts_the_real_keys_each_query_sees():
     mask = np.array([[1, 1, 1, 1, 1, 1, 0, 0]])
-    full = np.asarray(positions.length_temperature(mask, 0, 4))[0, 0, :, 0]
+    full = np.asarray(length_temperature(mask, 0, 4))[0, 0, :, 0]
     np.testing.assert_allclose(full, np.full(8, math.log(6) / math.log(4)), rtol=1e-6)
     # Window 5: starts [0, 0, 0, 1, 2, 3, 3, 3]; real keys in [s, s + 5) of [1, 1, 1, 1, 1, 1, 0, 0], floored at 1.
-    windowed = np.asarray(positions.length_temperature(mask, 5, 4))[0, 0, :, 0]
+    windowed = np.asarray(length_temperature(mask, 5, 4))[0, 0, :, 0]
     np.testing.assert_allclose(windowed, np.maximum(np.log([5, 5, 5, 5, 4, 3, 3, 3]) / math.log(4), 1), rtol=1e-6)
+
+
+def test_global_tokens_are_each_rows_ends_and_count_where_outside_the_window():
+    mask = np.array([[1] * 10, [1] * 7 + [0] * 3])
+    np.testing.assert_array_equal(np.asarray(positions.global_keys(mask))[:, 0],
+                                  [[1, 0, 0, 0, 0, 0, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 1, 0, 0, 0]])
+    # Window 4 over 10 positions: starts [0, 0, 0, 1, 2, 3, 4, 5, 6, 6]. Row 0: 4 keys in every window, plus
+    # position 0 outside the windows starting at 1 or later, plus position 9 outside those starting before 6.
+    visible = np.asarray(positions.visible_keys(mask, 4, with_ends=True))
+    np.testing.assert_array_equal(visible[0], [5, 5, 5, 6, 6, 6, 6, 6, 5, 5])
+    # Row 1 (7 real keys): real keys in each window, plus position 0 from start 1 on, plus position 6 where the
+    # window ends at or before it (starts 0-2).
+    np.testing.assert_array_equal(np.asarray(positions.visible_keys(mask, 4))[1], [4, 4, 4, 4, 4, 4, 3, 2, 1, 1])
+    np.testing.assert_array_equal(visible[1], [5, 5, 5, 6, 6, 5, 4, 3, 2, 2])
 
 
 def test_interpolated_distances_reach_only_the_rows_of_the_training_length():
@@ -85,7 +108,7 @@ def test_distance_scale_is_one_up_to_the_training_length():
 
 
 # --------------------------------------------------------------------------- the kernels against a naive loop
-def naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask):
+def naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask, global_keys):
     """Every (b, h, i, j) score written out from the module docstring of `kernels.scores`, in float64."""
     q, k, v, c2p, p2c, bias, temperature = (np.asarray(x, np.float64) for x in (q, k, v, c2p, p2c, bias, temperature))
     b_, h_, n, d = q.shape
@@ -98,8 +121,8 @@ def naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mas
                 for j in range(n):
                     row = index[i - j + n - 1]
                     s = (q[b, h, i] @ k[b, h, j] + c2p[b, h, i, row] + p2c[b, h, j, row]) / math.sqrt(3 * d)
-                    s = temperature[b, 0, i, 0] * (s + bias[h, i - j + n - 1])
-                    visible = key_mask[b, j] and starts[i] <= j < starts[i] + window
+                    s = temperature[b, h % temperature.shape[1], i, 0] * (s + bias[h, i - j + n - 1])
+                    visible = key_mask[b, j] and (starts[i] <= j < starts[i] + window or global_keys[b, 0, j])
                     scores[i, j] = s if visible else NEG_INF
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[b, h] = (p / p.sum(-1, keepdims=True)) @ v[b, h]
@@ -107,7 +130,8 @@ def naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mas
 
 
 @pytest.mark.parametrize("kernel", ["dense", "blockwise"])
-def test_kernels_with_temperature_window_and_padding_match_a_naive_loop(kernel):
+@pytest.mark.parametrize("learned", [False, True], ids=["fixed", "learned-with-global-tokens"])
+def test_kernels_with_temperature_window_and_padding_match_a_naive_loop(kernel, learned):
     b, h, n, d, r = 2, 2, 12, 4, 9
     rng = np.random.default_rng(3)
     q, k, v = (rng.normal(size=(b, h, n, d)).astype(np.float32) for _ in range(3))
@@ -117,12 +141,18 @@ def test_kernels_with_temperature_window_and_padding_match_a_naive_loop(kernel):
     key_mask = np.ones((b, n), np.int32)
     key_mask[1, 9:] = 0
     window = 5
-    temperature = positions.length_temperature(key_mask, window, 4)
+    if learned:  # a slope per head times log(keys seen), and each row's ends visible to every query
+        global_keys = positions.global_keys(key_mask)
+        slopes = jnp.asarray([0.3, 0.9])[None, :, None, None]
+        temperature = positions.log_keys(positions.visible_keys(key_mask, window, with_ends=True)) * slopes
+    else:
+        global_keys, temperature = None, length_temperature(key_mask, window, 4)
     terms = ScoreTerms(q=jnp.asarray(q), k=jnp.asarray(k), c2p=jnp.asarray(c2p), p2c=jnp.asarray(p2c),
                        bias=jnp.asarray(bias), temperature=temperature, relative=RelativeIndex(index), key_len=n,
-                       window=window)
+                       window=window, global_keys=global_keys)
     run = dense_attention if kernel == "dense" else (lambda *a: blockwise_attention(*a, block_size=5))
-    expected = naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask)
+    expected = naive_attention(q, k, v, c2p, p2c, index, bias, temperature, window, key_mask,
+                               np.zeros((b, 1, n), bool) if global_keys is None else np.asarray(global_keys))
     np.testing.assert_allclose(np.asarray(run(terms, jnp.asarray(v), jnp.asarray(key_mask))), expected, atol=2e-5)
 
 
@@ -146,6 +176,7 @@ def test_blockwise_gradients_match_dense_with_temperature_and_window():
 OPTIONS = {
     "log_length": dict(attention_temperature="log_length"),
     "window": dict(attention_window=TRAIN_LEN),
+    "window_global": dict(attention_window=TRAIN_LEN, window_global_tokens=True),
     "interpolate": dict(relative_position_policy="interpolate"),
 }
 
@@ -202,6 +233,8 @@ def test_rope_interpolation_rotates_by_the_scaled_positions():
     (dict(attention_temperature="cubic"), "attention_temperature"),
     (dict(attention_kernel="pallas", attention_window=16), "attention_kernel"),
     (dict(attention_kernel="pallas", attention_temperature="log_length"), "attention_kernel"),
+    (dict(window_global_tokens=True), "window_global_tokens"),
+    (dict(attention_kernel="pallas_tpu", attention_window=16, window_global_tokens=True), "attention_kernel"),
 ])
 def test_bad_length_options_are_refused_naming_the_field(fields, name):
     with pytest.raises(ConfigError, match=f"model.{name}="):
@@ -211,8 +244,8 @@ def test_bad_length_options_are_refused_naming_the_field(fields, name):
 def test_the_study_scores_each_method_that_applies_as_its_own_model():
     models = [length_study.EvalModel(name, 0, name, build(name), None, TRAIN_LEN) for name in ("deberta", "bert")]
     labels = [em.label for em in length_study.with_methods(models, tuple(length_study.LENGTH_METHODS))]
-    assert labels == ["deberta", "bert", "deberta+log_length", "deberta+window", "deberta+interpolate_distances",
-                      "bert+log_length", "bert+window"]
+    assert labels == ["deberta", "bert", "deberta+log_length", "deberta+window", "deberta+window_global",
+                      "deberta+interpolate_distances", "bert+log_length", "bert+window", "bert+window_global"]
     with pytest.raises(ValueError, match="unknown length method"):
         length_study.StudySettings(methods=("stretch",))
 
@@ -225,3 +258,80 @@ def test_a_method_never_replaces_what_the_model_was_trained_with():
                                          r"method 'window' would replace with 16, changing the model even at its"):
         length_study.with_methods(models, ("window",))
     assert [em.label for em in length_study.with_methods(models, ("log_length",))] == ["local", "local+log_length"]
+
+
+# --------------------------------------------------------------------------- the learned temperature
+def learned(scheme="deberta"):
+    model = build(scheme)  # noisy parameters; then the learned model shares them and adds its slopes
+    cfg = ModelConfig(**dict(SCHEMES[scheme], attention_temperature="learned"))
+    out = MaskedLM(cfg, rngs=nnx.Rngs(0))
+    nnx.update(out, nnx.state(model))
+    return model, out
+
+
+def test_a_fresh_learned_temperature_is_the_identity_at_the_training_length():
+    model, scaled = learned()
+    slopes = [layer.attention.temperature_slope[...] for layer in scaled.encoder.layers]
+    np.testing.assert_allclose(np.asarray(slopes), 1 / math.log(TRAIN_LEN), rtol=1e-7)
+    np.testing.assert_allclose(encode(scaled, TRAIN_LEN), encode(model, TRAIN_LEN), atol=2e-6)
+    # Below L the factor falls under 1 (no floor), past it above: both change the model.
+    for n in (TRAIN_LEN // 2, 4 * TRAIN_LEN):
+        assert np.abs(encode(scaled, n) - encode(model, n)).max() > 1e-3
+
+
+def test_the_learned_slope_scales_each_heads_scores_by_log_keys():
+    """With no position term, head h's factor s_h log(n) equals scaling head h's queries by it."""
+    model, scaled = learned("bert")
+    n = 3 * TRAIN_LEN
+    attention = scaled.encoder.layers[0].attention
+    attention.temperature_slope[...] = jnp.asarray([0.2, 0.5, 0.9, 1.4])
+    x = jax.random.normal(jax.random.key(0), (1, n, 32))
+    key_mask = np.ones((1, n), np.int32)
+    ctx = scaled.encoder.position_context(1, n, key_mask=key_mask)
+    by_hand = nnx.clone(model.encoder.layers[0].attention)
+    factor = np.repeat(np.asarray(attention.temperature_slope[...]) * math.log(n), 32 // 4)
+    by_hand.query_proj.kernel[...] = by_hand.query_proj.kernel[...] * factor
+    by_hand.query_proj.bias[...] = by_hand.query_proj.bias[...] * factor
+    np.testing.assert_allclose(np.asarray(attention(x, key_mask, ctx)),
+                               np.asarray(by_hand(x, key_mask, model.encoder.position_context(1, n))),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_learned_slope_gets_its_gradient_in_every_kernel():
+    _, scaled = learned()
+    ids, mask = batch(3 * TRAIN_LEN, pad=5)
+    # A random readout: a sum of squares of LayerNorm outputs would hardly move with anything.
+    readout = jax.random.normal(jax.random.key(2), (*ids.shape, 32))
+
+    def loss(m):
+        return jnp.sum(m.encode(ids, mask) * readout)
+
+    grads = {kernel: nnx.jit(nnx.grad(loss))(with_options(scaled, attention_kernel=kernel, attention_block_size=8))
+             for kernel in ("dense", "blockwise")}
+
+    def slopes(g):
+        return np.asarray([g.encoder.layers[i].attention.temperature_slope[...] for i in range(len(g.encoder.layers))])
+
+    slope = slopes(grads["dense"])
+    assert np.abs(slope).min() > 0
+    np.testing.assert_allclose(slopes(grads["blockwise"]), slope, rtol=2e-4, atol=1e-4)
+    # And it is the derivative: a central difference along the first layer's slopes agrees.
+    eps = 1e-2
+
+    def moved(sign):
+        m = nnx.clone(scaled)
+        m.encoder.layers[0].attention.temperature_slope[...] += sign * eps
+        return float(loss(m))
+    predicted = eps * slope[0].sum()
+    assert abs((moved(1) - moved(-1)) / 2 - predicted) < 0.02 * abs(predicted)
+
+
+def test_the_learned_temperature_is_a_model_not_an_option():
+    _, scaled = learned()
+    with pytest.raises(ConfigError, match="cannot change from 'learned' to 'log_length'"):
+        with_options(scaled, attention_temperature="log_length")
+    with pytest.raises(ConfigError, match="cannot change from 'none' to 'learned'"):
+        with_options(build("deberta"), attention_temperature="learned")
+    # The study's log-length method does not apply to it (it already scales by log(keys)); the window does.
+    models = [length_study.EvalModel("ssmax", 0, "ssmax", scaled, None, TRAIN_LEN)]
+    assert [em.label for em in length_study.with_methods(models, ("log_length", "window"))] == ["ssmax", "ssmax+window"]
