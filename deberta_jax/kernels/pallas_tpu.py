@@ -12,7 +12,9 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
   `q_tile @ rows^T` is `[T, 2T]` on the matrix unit: query `a` against every distance of the tile. Rotating row
   `a` by `T + 1 + a` lanes (`pltpu.roll` with a stride) moves the entry for key `c` to column `c`: the relative
   shift of Transformer-XL done per tile, with no `[N, N]` tensor. p2c is the same with keys and position
-  queries, transposed.
+  queries, transposed. A per-distance bias (ALiBi's, T5's table read per bucket) is expanded like the position
+  keys, one row `[H, 1, 2N]`, and a tile's `[1, 2T]` slice of it, broadcast over the tile's queries, is rotated
+  into place the same way.
 - The softmax is FlashAttention's online softmax over key tiles (grid axis 3), saving each row's log-sum-exp.
 - With a window (`ScoreTerms.window`) a query tile visits only the band of key tiles its queries' windows reach
   (`KernelShape.key_band` of them, about `(T + W) / T + 1`): the grid's key axis is that band, and the index maps
@@ -23,18 +25,21 @@ The backward pass recomputes each tile's probabilities from the log-sum-exp in t
 split: queries over key tiles, keys and values over query tiles (over the band of query tiles whose windows reach
 the key tile, with a window). The inverse rotation (`_unskew`) takes a tile's score gradient back to per-distance
 columns, which give c2p's share of dq (and p2c's of dk) and add into the head's whole table gradient, held in VMEM
-(float32) while every sequence and tile pair of the head goes by. A temperature (a factor per query, and per head
-when learned, on its whole score row) gets its gradient, the row sum of the score gradient times the scores before
-the factor, in the dq kernel, which visits every key tile of a query tile.
+(float32) while every sequence and tile pair of the head goes by; summed over the tile's queries they are the
+bias's gradient per distance, accumulated the same way (and added into T5's table by the expansion's gradient). A
+temperature (a factor per query, and per head when learned, on its whole score row) gets its gradient, the row sum
+of the score gradient times the scores before the factor, in the dq kernel, which visits every key tile of a query
+tile.
 
 Attention dropout is drawn inside the kernels from hashes of the tile's query and key positions
 (`dropout_masks.attention_keep`; the hashes of every sequence, head and position are computed once outside, for the
 whole batch): the dense kernel's mask, which both backward kernels draw again at any tile size.
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
-(the expansion reads the per-distance index), attention dropout, a temperature and a window. A query whose window
-holds no real key (a padding query) averages its band's keys where the dense kernel averages every key: its output
-is padding's, which no real token reads. No per-distance bias: it is refused with the fix. On a TPU the kernels
+(the expansion reads the per-distance index), a per-distance bias, attention dropout, a temperature and a window.
+A query whose window holds no real key (a padding query) averages its band's keys where the dense kernel averages
+every key: its output is padding's, which no real token reads. A window's global keys (a row's first and last
+tokens, seen by every query) are refused with the fix: they lie in the tiles the band skips. On a TPU the kernels
 are compiled by Mosaic (also when a program is compiled for a TPU from another machine, `deberta_jax.aot`);
 elsewhere Pallas interprets them (exact, slow: tests).
 """
@@ -69,6 +74,7 @@ class KernelShape:
     divisor: float
     c2p: bool
     p2c: bool
+    bias: bool = False  # a per-distance bias
     dropout_rate: float = 0.0  # attention dropout; 0 in evaluation
     temperature: bool = False  # a factor per query on its scores
     window: int = 0  # positions each query sees (`scores.window_starts`), fewer than `length`; 0: every key
@@ -174,13 +180,14 @@ def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile):
     """Masked float32 scores `[T, T]` of one tile, its scores before the temperature, and the temperature column
     `[T, 1]` (None without one)."""
     t = shape.tile
-    ec, eq = _table_rows(shape, options, query_tile, key_tile)
+    ec, eq, eb = _table_rows(shape, options, query_tile, key_tile)
     raw = _dot_t(q, k)
     if shape.c2p:
         raw = raw + _skew(_dot(q, ec), t)
     if shape.p2c:
         raw = raw + _skew(_dot(k, eq), t).T
-    scores = combine_scores(raw, 0.0, None, shape.divisor)
+    bias = _skew(jnp.broadcast_to(eb, (t, 2 * t)), t) if shape.bias else None
+    scores = combine_scores(raw, 0.0, bias, shape.divisor)
     temperature = _to_column(options.temperature[...]) if shape.temperature else None
     positions = key_tile * t + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1)
     # `combine_scores`' last factor, kept apart: the temperature's gradient needs the scores without it.
@@ -222,10 +229,10 @@ def _table_columns(shape: KernelShape, sign: int, query_tile, key_tile):
 
 
 def _table_rows(shape: KernelShape, options, query_tile, key_tile):
-    """The `[d, 2T]` rows of each expanded table (None when off) that a tile pair reads."""
+    """The `[d, 2T]` rows of each expanded table and the bias's `[1, 2T]` (None when off) that a tile pair reads."""
     def rows(ref, sign):
         return None if ref is None else ref[:, _table_columns(shape, sign, query_tile, key_tile)]
-    return rows(options.ec, -1), rows(options.eq, 1)
+    return rows(options.ec, -1), rows(options.eq, 1), rows(options.eb, -1)
 
 
 def _pop(refs: list, *on) -> list:
@@ -236,20 +243,21 @@ def _pop(refs: list, *on) -> list:
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys
-    and its queries' temperature (rows), and the head's expanded tables."""
+    and its queries' temperature (rows), and the head's expanded tables and bias."""
 
     query_hash: object
     key_hash: object
     temperature: object
     ec: object
     eq: object
+    eb: object
 
 
 def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
     head = _pop(refs, *[True] * count)
-    on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c)
+    on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c, shape.bias)
     return head, _Options(*_pop(refs, *on)), refs
 
 
@@ -336,10 +344,10 @@ def _head_steps():
 
 def _dq_kernel(*refs, shape: KernelShape, tiles):
     """Grid (head, sequence, query tile, key tile step): dq and the temperature's gradient over key tiles, and
-    c2p's table gradient over the head."""
+    c2p's table gradient and the bias's over the head."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
-    dq_ref, d_ec_ref, dt_ref = _pop(rest, True, shape.c2p, shape.temperature)
-    dq_sc, ec_acc, dt_sc = _pop(rest, True, shape.c2p, shape.temperature)
+    dq_ref, d_ec_ref, d_eb_ref, dt_ref = _pop(rest, True, shape.c2p, shape.bias, shape.temperature)
+    dq_sc, ec_acc, eb_acc, dt_sc = _pop(rest, True, shape.c2p, shape.bias, shape.temperature)
     step = pl.program_id(3)
     query_tile, key_tile = tiles(pl.program_id(2), step)
 
@@ -354,12 +362,16 @@ def _dq_kernel(*refs, shape: KernelShape, tiles):
                                   lse_ref[...], delta_ref[...])
     ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
     dq = _dot(ds.astype(k.dtype), k)
+    columns = _table_columns(shape, -1, query_tile, key_tile)
+    if shape.c2p or shape.bias:
+        per_distance = _unskew(d_scores, shape.tile)  # the scores' gradient per (query, distance)
     if shape.c2p:
-        ec_rows, _ = _table_rows(shape, options, query_tile, key_tile)
-        per_distance = _unskew(ds, shape.tile)
-        dq = dq + _dot_t(per_distance.astype(ec_rows.dtype), ec_rows)
-        _table_gradient(ec_acc, _dot(q.T.astype(jnp.float32), per_distance),
-                        _table_columns(shape, -1, query_tile, key_tile), *_head_steps(), d_ec_ref)
+        ec_rows, _, _ = _table_rows(shape, options, query_tile, key_tile)
+        per_distance_raw = per_distance / shape.divisor
+        dq = dq + _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
+        _table_gradient(ec_acc, _dot(q.T.astype(jnp.float32), per_distance_raw), columns, *_head_steps(), d_ec_ref)
+    if shape.bias:
+        _table_gradient(eb_acc, per_distance.sum(axis=0, keepdims=True), columns, *_head_steps(), d_eb_ref)
     dq_sc[...] += dq
     if shape.temperature:
         dt_sc[...] += dt
@@ -390,7 +402,7 @@ def _dkv_kernel(*refs, shape: KernelShape, tiles):
     ds = d_scores / shape.divisor
     dk = _dot(ds.T.astype(q.dtype), q)
     if shape.p2c:
-        _, eq_rows = _table_rows(shape, options, query_tile, key_tile)
+        _, eq_rows, _ = _table_rows(shape, options, query_tile, key_tile)
         per_distance = _unskew(ds.T, shape.tile)
         dk = dk + _dot_t(per_distance.astype(eq_rows.dtype), eq_rows)
         _table_gradient(eq_acc, _dot(k.T.astype(jnp.float32), per_distance),
@@ -483,10 +495,10 @@ _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensi
 
 def _options(shape: KernelShape, options):
     """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables)."""
-    query_hash, key_hash, temperature, ec, eq = options
+    query_hash, key_hash, temperature, ec, eq, eb = options
     rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout),
                                             (temperature, _ROW_Q, shape.temperature)) if on]
-    return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c)) if on]
+    return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c), (eb, shape.bias)) if on]
 
 
 def _inputs(shape: KernelShape, tokens, blocks, options):
@@ -532,7 +544,7 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
     token = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
-    _, _, temperature, ec, eq = options
+    _, _, temperature, ec, eq, eb = options
 
     def semantics(accumulates):
         return (_PARALLEL,) + ((_ARBITRARY,) * 3 if accumulates else (_PARALLEL, _PARALLEL, _ARBITRARY))
@@ -543,14 +555,16 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
         return ([jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x, _, _ in on], [spec for _, _, spec, _ in on],
                 [scratch for _, _, _, scratch in on])
 
-    # dq, c2p's table gradient and the temperature's gradient per head (rows, like the log-sum-exp).
+    # dq, c2p's table gradient, the bias's and the temperature's per head (rows, like the log-sum-exp).
     dq, *rest = _call(
         _dq_kernel, shape, (h, b, n, shape.key_band), lambda i, j: (i, shape.key_tile(i, j)), inputs, tables,
         *outputs((True, q, token, pltpu.VMEM((t, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
+                 (shape.bias, eb, pl.BlockSpec((None, 1, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0)),
+                  pltpu.VMEM((1, 2 * n_pad), jnp.float32)),
                  (shape.temperature, lse, pl.BlockSpec((None, None, 1, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
                   pltpu.VMEM((t, 1), jnp.float32))),
-        semantics(shape.c2p), resident="q", order=order)
-    d_ec, dt = _pop(rest, shape.c2p, shape.temperature)
+        semantics(shape.c2p or shape.bias), resident="q", order=order)
+    d_ec, d_eb, dt = _pop(rest, shape.c2p, shape.bias, shape.temperature)
     dk, dv, *d_eq = _call(
         _dkv_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs, tables,
         *outputs((True, k, token, pltpu.VMEM((t, d), jnp.float32)), (True, v, token, pltpu.VMEM((t, d), jnp.float32)),
@@ -558,7 +572,7 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
         semantics(shape.p2c), resident="k", order=order)
     if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)
-    d_options = (None, None, dt, d_ec, d_eq[0] if d_eq else None)
+    d_options = (None, None, dt, d_ec, d_eq[0] if d_eq else None, d_eb)
     return dq, dk, dv, None, d_options
 
 
@@ -567,27 +581,29 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dropout_rate: float = 0.0,
                          dropout_key: jax.Array | None = None, tile: int = TILE) -> jax.Array:
-    """Self-attention of any variant without per-distance bias, DeBERTa's included, fused for TPUs.
+    """Self-attention of any variant, DeBERTa's included, fused for TPUs.
 
     `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
     (`relative`), as the dense kernel's shift formulation takes them. Attention dropout (a `dropout_key` and a
     rate) drops exactly the dense kernel's entries. `tile` is for tests (interpret mode runs any size; Mosaic
     needs a multiple of 128).
     """
-    unsupported = [name for name, value in (("per-distance bias (ALiBi, T5)", terms.bias),
-                                            ("c2p/p2c products", terms.c2p if terms.c2p is not None else terms.p2c))
-                   if value is not None]
-    if unsupported:
-        raise ValueError(f"attention_kernel='pallas_tpu' does not implement {', '.join(unsupported)}; "
-                         "use attention_kernel='dense' or 'blockwise'")
+    if terms.c2p is not None or terms.p2c is not None:
+        raise ValueError("attention_kernel='pallas_tpu' takes DeBERTa's projected tables (ScoreTerms.pos_key / "
+                         "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
     q, k = terms.q, terms.k
     batch, heads, length, _ = q.shape
     if k.shape[-2] != length:
         raise ValueError(f"attention_kernel='pallas_tpu' is self-attention: {length} queries but {k.shape[-2]} keys")
+    if terms.global_keys is not None and 0 < terms.window < length:
+        raise ValueError("attention_kernel='pallas_tpu' skips the key tiles outside every query's window, where a "
+                         "window's global keys (window_global_tokens) lie; use attention_kernel='dense' or "
+                         "'blockwise' with them")
     relative = terms.relative is not None
     dropout = dropout_key is not None and dropout_rate > 0
     shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
-                        relative and terms.pos_query is not None, float(dropout_rate) if dropout else 0.0,
+                        relative and terms.pos_query is not None, terms.bias is not None,
+                        float(dropout_rate) if dropout else 0.0,
                         temperature=terms.temperature is not None,
                         window=terms.window if terms.window < length else 0)
     pad = shape.padded - length
@@ -595,7 +611,7 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    query_hash = key_hash = temperature = ec = eq = None
+    query_hash = key_hash = temperature = ec = eq = eb = None
     if dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
@@ -610,15 +626,18 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
         ec = jnp.swapaxes(terms.pos_key[:, reverse], 1, 2) if shape.c2p else None
         eq = jnp.swapaxes(terms.pos_query[:, forward], 1, 2) if shape.p2c else None
+    if shape.bias:  # laid out like the position keys: a tile's slice rotates into place as c2p's products do
+        _, reverse = expand_tables(np.arange(2 * length - 1), shape)
+        eb = terms.bias[:, None, reverse].astype(jnp.float32)
     mask = jnp.pad(key_mask.astype(jnp.int32), [(0, 0), (0, pad)])[:, None, :]
     attend = functools.partial(_attention, shape)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         # XLA cannot partition a Mosaic call: each device runs it on its rows of the batch, which a run's mesh
-        # splits over all of its axes (`train.sharding.batch_sharding`); the tables are replicated.
+        # splits over all of its axes (`train.sharding.batch_sharding`); the tables and the bias are replicated.
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
         attend = jax.shard_map(attend, mesh=mesh,
-                               in_specs=(rows, rows, rows, rows, (rows, rows, rows, whole, whole)),
+                               in_specs=(rows, rows, rows, rows, (rows, rows, rows, whole, whole, whole)),
                                out_specs=rows, check_vma=False)
-    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq))
+    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq, eb))
     return out[:, :, :length]

@@ -14,7 +14,7 @@ from typing import Any
 from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
-# The variants that add a bias per distance to the scores, which the fused TPU kernel does not implement.
+# The variants that add a bias per distance to the scores.
 BIAS_VARIANTS = ("alibi", "t5_bias")
 ATTENTION_KERNELS = KERNELS
 ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
@@ -77,8 +77,9 @@ class ModelConfig:
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
     "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.kernels.pallas`;
     interpret mode elsewhere; no attention dropout in training), "pallas_tpu" fuses both passes for TPUs
-    (`deberta_jax.kernels.pallas_tpu`; no dropout, ALiBi or T5 bias). All give the same results to float
-    rounding and load the same parameters, so a model trained with one can be evaluated with another.
+    (`deberta_jax.kernels.pallas_tpu`; every variant, dropout, the temperature and the window, but not the
+    window's global tokens). All give the same results to float rounding and load the same parameters, so a model
+    trained with one can be evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
     without any absolute positions or RoPE to act on) are rejected.
@@ -300,10 +301,6 @@ class ModelConfig:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
-        if self.attention_kernel == "pallas_tpu" and self.attention in BIAS_VARIANTS:
-            _fail("attention_kernel", self.attention_kernel,
-                  f"the TPU kernel has no per-distance bias, which attention={self.attention!r} adds; use "
-                  "attention_kernel='dense' or 'blockwise'")
         if self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size,
                   "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")

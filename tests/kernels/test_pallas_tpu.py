@@ -1,7 +1,9 @@
 """The fused TPU kernel (interpret mode on CPU) equals the dense kernel: outputs and every gradient (queries, keys,
-values, both projected relative tables), c2p and p2c on and off, log buckets and exact distances, padding, lengths
-that are not a multiple of the tile, float32 and bfloat16; and the model computes the same with it. Compiling it
-for TPUs is tested in tests/aot/test_pallas_tpu_compiles.py."""
+values, both projected relative tables, a per-distance bias and T5's table behind it, a temperature), c2p and p2c on
+and off, log buckets and exact distances, padding, lengths that are not a multiple of the tile, float32 and
+bfloat16, attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every
+windowed pair); and the model computes the same with it. Compiling it for TPUs is tested in
+test_pallas_tpu_compiles.py, the dropout mask under a sharded batch in test_pallas_tpu_sharded_dropout.py."""
 
 import dataclasses
 import functools
@@ -96,38 +98,42 @@ def test_expanded_tables_read_every_distance_in_place():
     assert len(distances(n, n)) == len(by_distance)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(bias=True), "per-distance bias"),
-])
-def test_refuses_what_it_does_not_implement(change, message):
-    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
-    if change.pop("bias", False):
-        change["bias"] = positions.alibi_bias(37, 37, H)
-    with pytest.raises(ValueError, match=message):
-        pallas_tpu_attention(dataclasses.replace(terms, **change), v, key_mask)
+def test_refuses_what_it_does_not_implement():
+    """The kernel reads DeBERTa's projected tables, not the c2p products (what the blockwise kernel takes), and has
+    no global keys beside a window (its band skips their tiles)."""
+    terms, v, key_mask = table_inputs(("c2p",), R // 2)
+    products = dataclasses.replace(terms, c2p=jnp.einsum("bhid,hrd->bhir", terms.q, terms.pos_key), pos_key=None)
+    with pytest.raises(ValueError, match="projected tables"):
+        pallas_tpu_attention(products, v, key_mask)
+    global_keys = dataclasses.replace(terms, window=8, global_keys=positions.global_keys(key_mask))
+    with pytest.raises(ValueError, match="window_global_tokens"):
+        pallas_tpu_attention(global_keys, v, key_mask)
 
 
-def test_config_refuses_a_per_distance_bias_with_the_tpu_kernel():
-    with pytest.raises(ConfigError, match=r"model.attention_kernel='pallas_tpu'.*attention='alibi'"):
-        ModelConfig(attention="alibi", attention_kernel="pallas_tpu")
+def test_config_accepts_every_scheme_and_length_method_with_the_tpu_kernel():
+    for attention in ("alibi", "t5_bias"):
+        ModelConfig(attention=attention, attention_kernel="pallas_tpu")
     ModelConfig(attention_kernel="pallas_tpu", attention_window=16, attention_temperature="log_length",
                 trained_length=16)
     with pytest.raises(ConfigError, match="attention_window"):
         ModelConfig(attention_kernel="pallas", attention_window=16)
 
 
-def test_model_with_the_tpu_kernel_equals_the_dense_one():
-    """DeBERTa with EMD (re-applying its one layer), separate position projections and log buckets, training with
-    dropout as published (0.1, attention and hidden; one dropout seed, so each attention call draws the same key
-    with either kernel), with both length methods (a window of 24 over 40 tokens, the log-length temperature of a
-    model trained at 16): logits and every parameter's gradient agree."""
+@pytest.mark.parametrize("attention,temperature", [("disentangled", "log_length"), ("t5_bias", "learned")])
+def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, temperature):
+    """DeBERTa with EMD (re-applying its one layer), separate position projections and log buckets, and T5's bias
+    (its table's gradient through the kernel's), training with dropout as published (0.1, attention and hidden; one
+    dropout seed, so each attention call draws the same key with either kernel), with both length methods (a
+    window of 24 over 40 tokens; the log-length temperature of a model trained at 16, or a learned one, whose
+    slope per head gets its gradient through the kernel's temperature gradient): logits and every parameter's
+    gradient agree."""
     from flax import nnx
 
     from deberta_jax.model.encoder import MaskedLM
-    base = dict(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+    base = dict(attention=attention, vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                 max_position_embeddings=64, position_buckets=8, max_relative_positions=16, share_att_key=False,
                 emd_layers=1, hidden_dropout=0.1, attention_dropout=0.1, attention_window=24,
-                attention_temperature="log_length", trained_length=16)
+                attention_temperature=temperature, trained_length=16)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 40)))
     mask = jnp.ones((2, 40), jnp.int32).at[1, 31:].set(0)
     results = []
@@ -197,23 +203,23 @@ def test_dropout_mask_does_not_depend_on_the_tile_size():
     assert max_error(outputs_and_grads(fused(tile=8, **dropout), terms, v, key_mask), want) < 3e-6
 
 
-@pytest.mark.parametrize("window,heads,dropout_rate", [(12, H, 0.2), (5, 1, 0.0)])
-def test_temperature_and_window_equal_the_dense_kernel(window, heads, dropout_rate):
-    """A temperature per query (per head, as a learned one, or shared by the heads) and a window of 12 or 5 over 37
-    positions in tiles of 8 (a band of 3 key tiles of 5; the last tile ragged), with padding and dropout: outputs at
-    real queries and every gradient, the temperature's included, equal the dense kernel's (observed ~4e-6, the
-    temperature's). Padding queries get no cotangent: a window of 5 holds only padding for the last ones, whose
-    outputs the two kernels average over different keys (the module's Scope)."""
+def test_temperature_and_window_equal_the_dense_kernel():
+    """A temperature per query shared by the heads (the log-length one's shape) and a window of 5 over 37 positions
+    in tiles of 8 (a band of 3 key tiles of 5; the last tile ragged), with padding: outputs at real queries and every
+    gradient, the temperature's included, equal the dense kernel's (observed ~2e-6, the temperature's). Padding
+    queries get no cotangent: a window of 5 holds only padding for the last ones, whose outputs the two kernels
+    average over different keys (the module's Scope). A temperature per head, with dropout and a bias, is tested
+    below (`test_t5_table_gradient_with_every_option`)."""
+    window = 5
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
-    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (B, heads, 37, 1)), jnp.float32)
+    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (B, 1, 37, 1)), jnp.float32)
     terms = dataclasses.replace(terms, temperature=temperature, window=window)
-    dropout = dict(dropout_rate=dropout_rate, dropout_key=jax.random.key(1))
     real = key_mask[:, None, :, None] > 0
     cotangent = jnp.where(real, jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32), 0.0)
 
     def outputs_and_grads(kernel):
         def loss(terms, v):
-            out = kernel(terms, v, key_mask, **dropout)
+            out = kernel(terms, v, key_mask)
             return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(terms, v)
     (_, out), grads = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=8))
@@ -250,3 +256,37 @@ def test_windowed_tile_pairs_grow_as_length_times_window():
     assert [shape.query_band for shape in pairs.values()] == [3, 3]
     assert KernelShape(16384, 128, 1.0, True, True, window=512).key_band == 5
     assert KernelShape(16384, 128, 1.0, True, True).key_band == 128
+
+
+def test_alibi_bias_equals_the_dense_kernel():
+    """ALiBi's bias per distance, without position terms, 37 positions in tiles of 16 (padding, the last tile
+    ragged): outputs and the gradients of queries, keys, values and the bias array (observed ~3e-7)."""
+    terms, v, key_mask = table_inputs((), 0)
+    terms = dataclasses.replace(terms, bias=positions.alibi_bias(37, 37, H))
+    got = outputs_and_grads(fused(tile=16), terms, v, key_mask)
+    want = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
+    assert got[1][0].bias.shape == (H, 2 * 37 - 1)
+    assert max_error(got, want) < 2e-6
+
+
+def test_t5_table_gradient_with_every_option():
+    """T5's table read per bucket, DeBERTa's two position terms, a temperature per head, a window of 12 and dropout
+    0.2, tiles of 8 over 37 positions with padding: outputs at real queries and every gradient, the T5 table's (it
+    flows through the bias array's) and the temperature's included, equal the dense kernel's (observed ~3e-6)."""
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2)
+    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (B, H, 37, 1)), jnp.float32)
+    terms = dataclasses.replace(terms, temperature=temperature, window=12)
+    table = jnp.asarray(np.random.default_rng(2).normal(size=(8, H)), jnp.float32)
+    real = key_mask[:, None, :, None] > 0
+    cotangent = jnp.where(real, jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32), 0.0)
+
+    def outputs_and_grads(kernel):
+        def loss(table, terms, v):
+            biased = dataclasses.replace(terms, bias=positions.t5_bias(table, 37, 37, 20))
+            out = kernel(biased, v, key_mask, dropout_rate=0.2, dropout_key=jax.random.key(1))
+            return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(table, terms, v)
+    got = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=8))
+    want = outputs_and_grads(dense_attention)
+    assert max_error(got, want) < 1e-5
+    assert max_error(got[1][0], want[1][0]) < 1e-5 < float(jnp.max(jnp.abs(want[1][0])))

@@ -24,12 +24,14 @@ def no_persistent_cache():
 
 def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, temperature=True, window=0):
     """The compiled value and gradients (every input) of one DeBERTa attention call on one chip of `topology`, with
-    attention dropout, a temperature per query and head (a learned one's shape) and a window."""
+    a per-distance bias, attention dropout, a temperature per query and head (a learned one's shape) and a
+    window."""
     device = SingleDeviceSharding(tpu_slice(topology).devices[0])
     spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)  # noqa: E731
     rel = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
     terms = ScoreTerms(q=spec(1, heads, n, d), k=spec(1, heads, n, d), pos_key=spec(heads, 64, d),
                        pos_query=spec(heads, 64, d), relative=RelativeIndex(rel), key_len=n, window=window,
+                       bias=spec(heads, 2 * n - 1, dtype=jnp.float32),
                        temperature=spec(1, heads, n, 1, dtype=jnp.float32) if temperature else None)
 
     def loss(terms, v, key_mask):
@@ -42,9 +44,10 @@ def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 def test_every_option_compiles_for_tpus(topology):
-    """Attention dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels), a
-    temperature per head (its gradient's row reductions) and a window of 64 over 384 positions (index maps that
-    compute the key tile from the query tile, the window's mask from the tile's iotas)."""
+    """A bias per distance (its slice broadcast and rotated into place, its gradient's column sums), attention
+    dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels), a temperature per head
+    (its gradient's row reductions) and a window of 64 over 384 positions (index maps that compute the key tile
+    from the query tile, the window's mask from the tile's iotas)."""
     assert compile_for_tpu(topology, 384, window=64) is not None
 
 
