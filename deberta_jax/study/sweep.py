@@ -197,7 +197,8 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
         "raw records: [results.json.gz](results.json.gz) (`deberta_jax.study.report.load_results`).", "",
         "## Sweep configuration", "", "```json", json.dumps(sweep.to_dict(), indent=1, default=str), "```", "",
-        "## Commands", "", *[f"    {shlex.join(r['command'][1:])}" for r in runs], "",
+        # `python`, not this machine's interpreter path, as in the sweep command above.
+        "## Commands", "", *[f"    {shlex.join(['python', *r['command'][1:]])}" for r in runs], "",
     ]
     path = os.path.join(out, "REPORT.md")
     storage.write_text(path, "\n".join(lines))

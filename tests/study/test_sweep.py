@@ -119,6 +119,8 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     report_path = sweep.evaluate_and_report(plan, runs, "run")
     text = open(report_path).read()
     assert "by `--mode run`" in text and "configs/sweeps/ablation.py:smoke" in text
+    # Each run's command as a user would type it: the interpreter named, not this machine's path to it.
+    assert f"    python train.py --config {plan.variants[0].config} --workdir {runs[0]['workdir']}" in text
     for label in ("bert-L16", "deberta-L16", "unigram"):
         assert f"| {label} |" in text
     assert (tmp_path / "report" / "loss_vs_length_brown_valid.png").is_file()
