@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The fused TPU kernel in whole train steps: BERT and DeBERTa at base on v5e-16 at 512, 2,048 and 8,192 tokens,
 # each with XLA's attention (the dense kernel; DeBERTa's terms by the relative shift) and with
-# attention_kernel=pallas_tpu, plus the length study's forward at 8x. Every run at attention_dropout=0 (the fused
-# kernel has no attention dropout), so the rows compare like with like. Markdown rows in $OUT/table.md, records in
-# $OUT/<name>.json. Needs libtpu; nothing runs on a TPU.
+# attention_kernel=pallas_tpu, plus the length study's forward at 8x. Every run at attention_dropout=0, BERT's and
+# DeBERTa's alike (this table was made before the fused kernel drew attention dropout; the rows at the published 0.1
+# are benchmarks/aot_fused_study.sh's), so the rows compare like with like. Markdown rows in $OUT/table.md, records
+# in $OUT/<name>.json. Needs libtpu; nothing runs on a TPU.
 #
 #   bash benchmarks/aot_fused.sh [OUT]          # OUT defaults to results/aot-fused; about an hour of one CPU core
 set -euo pipefail

@@ -19,7 +19,7 @@ from ml_collections import config_dict
 
 from deberta_jax.aot import analysis
 from deberta_jax.aot.chips import GIB, TpuSlice
-from deberta_jax.model.config import BIAS_VARIANTS, ConfigError, ModelConfig
+from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.study import length_study, scoring
 from deberta_jax.train import config_checks, sharding, steps
@@ -94,7 +94,9 @@ def _compile_length_forward(model_config: ModelConfig, kernel: str, eval_len: in
     name = f"length forward {eval_len} ({kernel})"
     try:
         cfg = length_forward_config(model_config, kernel)
-    except ConfigError as err:  # a kernel this variant cannot use (the TPU kernel and a per-distance bias)
+    except ConfigError as err:
+        # What a kernel cannot run: a window's global tokens with either fused kernel, a window or a temperature
+        # with the GPU kernel.
         return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=str(err))
     rows = max(1, tokens_per_batch // eval_len)
     targets = scoring.scored_count(rows * eval_len, 0)
@@ -149,9 +151,9 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
         hints.append(f"--config.train.batch_size={rows // 2} (now {rows}; evaluation batches have the training "
                      "batch's size).")
         return hints
-    if config.model.attention_kernel != "pallas_tpu" and config.model.attention not in BIAS_VARIANTS:
-        hints.append("--config.model.attention_kernel=pallas_tpu (with --config.model.attention_dropout=0): the fused "
-                     "TPU kernel keeps no [B, H, N, N] scores or probabilities for the backward pass.")
+    if config.model.attention_kernel != "pallas_tpu" and not config.model.get("window_global_tokens", False):
+        hints.append("--config.model.attention_kernel=pallas_tpu: the fused TPU kernel keeps no [B, H, N, N] scores "
+                     "or probabilities for the backward pass (every variant, attention dropout included).")
     remat = config.model.remat
     if remat != "full":
         hints.append(f"--config.model.remat={'dots_no_batch' if remat == 'none' else 'full'} (now {remat!r}): "
