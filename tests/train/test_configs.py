@@ -196,3 +196,51 @@ def test_training_the_gpu_kernel_with_attention_dropout_is_refused_at_start_up_a
     config.model.attention_kernel = "pallas"
     config.model.attention_dropout = 0.0
     assert validate(config, num_devices=1).attention_kernel == "pallas"
+
+
+def _sweep_plans():
+    """(label, plan) of every sweep config that trains runs: each variant of it is a run family train.py starts."""
+    from configs.sweeps import ablation, natural, synthetic
+    plans = [("ablation:full", ablation.get_config("full")), ("synthetic:markov", synthetic.get_config("markov"))]
+    return plans + [(f"natural:{arg}", natural.get_config(arg)) for arg in natural.ARGS if arg != "smoke"]
+
+
+def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
+    """Every variant the sweeps train (DeBERTa and its ablations, BERT, RoPE, ALiBi, T5 bias, NoPE, the absolute
+    baselines, the learned temperature) validates as a training config with attention_kernel=pallas_tpu and the
+    published attention dropout 0.1, and takes every length method the study applies to it (log_length, window,
+    interpolate_distances) with the kernel; window_global alone is refused, in one line naming the field, since its
+    global keys lie in the key tiles the window's band skips."""
+    from deberta_jax.study import length_study, sweep
+
+    seen, methods_seen, checked = set(), set(), set()
+    for label, plan in _sweep_plans():
+        for variant in plan.variants:
+            family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
+            config = family.get_config("tiny")
+            config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
+            config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+            config.data.seq_len = plan.seq_lens[0]
+            config.model.update(attention_kernel="pallas_tpu", attention_dropout=0.1)
+            key = repr((config.data.seq_len, sorted(config.model.to_dict().items())))
+            if key in checked:  # the same run family in another sweep
+                continue
+            checked.add(key)
+            model = validate(config, num_devices=1)
+            assert (model.attention_kernel, model.attention_dropout) == ("pallas_tpu", 0.1), (label, variant.name)
+            seen.add(model.attention)
+            for method, options in length_study.LENGTH_METHODS.items():
+                options = options(model)
+                if options is None:  # nothing to act on (a learned temperature, no relative distances)
+                    continue
+                if method == "window_global":
+                    with pytest.raises(ConfigError, match=r"^model.attention_kernel='pallas_tpu' .*window_global_tok"
+                                       r"ens") as refusal:
+                        model.with_options(**options)
+                    assert "\n" not in str(refusal.value)
+                    continue
+                scored = model.with_options(**options)
+                assert scored.attention_kernel == "pallas_tpu", (label, variant.name, method)
+                methods_seen.add(method)
+    assert seen == {"disentangled", "entangled", "rope", "alibi", "t5_bias"}
+    assert methods_seen == {"log_length", "window", "interpolate_distances"}
