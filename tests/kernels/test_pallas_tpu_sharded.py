@@ -1,17 +1,47 @@
-"""The fused TPU kernel inside a run's sharded train step: on 8 fake CPU devices (data=2 x fsdp=4 mesh, the
-kernel split over the batch by `shard_map`) DeBERTa trains exactly like the dense kernel on one device. A
-subprocess, because the device count is fixed when jax starts."""
+"""The fused TPU kernel under a sharded batch, on 8 fake CPU devices, in one subprocess (the device count is fixed
+when jax starts, and one start serves both checks):
+- attention dropout does not depend on how the batch is sharded: on 4 of the devices (the kernel split over the
+  batch by `shard_map`, each device running it on its own sequence) outputs and gradients equal the dense kernel's
+  on one device with the same key;
+- inside a run's sharded train step (data=2 x fsdp=4 mesh) DeBERTa trains exactly like the dense kernel on one
+  device."""
 
 import pytest
 
 from tests.helpers import run_on_fake_devices
 
 SCRIPT = r"""
+import dataclasses, functools
 import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import deberta
+from deberta_jax.kernels.dense import dense_attention
+from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
 from deberta_jax.train import config_checks, programs, sharding
+from tests.kernels.test_kernels import outputs_and_grads
+from tests.kernels.test_pallas_tpu import max_error, table_inputs
 
 assert jax.device_count() == 8
+
+# Dropout's mask under a batch split over 4 devices.
+dropout = dict(dropout_rate=0.3, dropout_key=jax.random.key(1))
+terms, v, key_mask = table_inputs(("c2p", "p2c"), 6, n=21, b=4)
+mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+rows = NamedSharding(mesh, PartitionSpec("data"))
+sharded = jax.device_put((terms.q, terms.k, v, key_mask), rows)
+terms = dataclasses.replace(terms, q=sharded[0], k=sharded[1])
+
+def kernel(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return pallas_tpu_attention(*args, tile=8, **dropout)
+
+got = outputs_and_grads(jax.jit(kernel), terms, sharded[2], sharded[3])
+want = outputs_and_grads(jax.jit(functools.partial(dense_attention, **dropout)), *jax.device_get((terms, v, key_mask)))
+error = max_error(got, want)
+assert error < 3e-6, error
+print("dropout error", error, flush=True)
+
+# A run's train step on a data=2 x fsdp=4 mesh against the dense kernel on one device.
 config = deberta.get_config("micro")
 config.data.train_files = "unused.txt"
 config.model.update(hidden_dropout=0.0, attention_dropout=0.0)
@@ -41,5 +71,6 @@ print("losses", fused_losses)
 
 
 @pytest.mark.slow
-def test_sharded_train_step_with_the_tpu_kernel_matches_one_device():
-    assert "losses" in run_on_fake_devices(["-c", SCRIPT]).stdout
+def test_dropout_mask_and_sharded_train_step_with_the_tpu_kernel_match_one_device():
+    stdout = run_on_fake_devices(["-c", SCRIPT]).stdout
+    assert "dropout error" in stdout and "losses" in stdout
