@@ -5,11 +5,12 @@
         --config.model.dtype=bfloat16 --config.mesh.fsdp=16 [--config.* overrides]
 
 Compiles, for the named slice, the train step and eval step `train.py` builds from the config and the length
-study's forward at `--length_multiple` times the training length with each of `--length_kernels`, then prints
-per program: HBM per chip against the chip's capacity, FLOPs, bytes and collective traffic per chip, the count of
-gathers left in the optimized HLO, a roofline step time with tokens/s and MFU, and the compile time. A program
-that does not fit gets the knobs that would shrink it. `--format markdown` prints the same figures as a table;
-`--out FILE.json` writes them. Nothing runs on a TPU and no network address is contacted.
+study's forward at `--length_multiple` times the training length with each of `--length_kernels` (as trained, and
+under each of `--length_methods`), then prints per program: HBM per chip against the chip's capacity, FLOPs, bytes
+and collective traffic per chip, the count of gathers left in the optimized HLO, a roofline step time with
+tokens/s and MFU, and the compile time. A program that does not fit gets the knobs that would shrink it.
+`--format markdown` prints the same figures as a table; `--out FILE.json` writes them. Nothing runs on a TPU and no
+network address is contacted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ flags.DEFINE_list("programs", list(build.PROGRAMS), f"Which programs to compile,
 flags.DEFINE_integer("length_multiple", 8, "The length study's forward is compiled at this multiple of "
                      "config.data.seq_len.")
 flags.DEFINE_list("length_kernels", list(build.LENGTH_KERNELS), "Attention kernels for the length forward.")
+flags.DEFINE_list("length_methods", [], "Also compile the length forward under each of these length methods "
+                  "(eval.py --methods; e.g. log_length,window,interpolate_distances), with each length kernel.")
 flags.DEFINE_enum("format", "text", ["text", "markdown"], "Per-program blocks, or one markdown table row each.")
 flags.DEFINE_string("out", None, "Also write the figures to this JSON file.")
 FLAGS = flags.FLAGS
@@ -101,7 +104,7 @@ def main(argv):
     try:
         tpu = tpu_slice(FLAGS.topology, FLAGS.num_slices)
         reports = build.compile_run(config, tpu, programs=FLAGS.programs, length_multiple=FLAGS.length_multiple,
-                                    length_kernels=FLAGS.length_kernels)
+                                    length_kernels=FLAGS.length_kernels, length_methods=FLAGS.length_methods)
     except (TopologyError, config_checks.ConfigError, RuntimeError, ValueError) as err:
         sys.exit(f"error: {err}")
     label = _config_label()

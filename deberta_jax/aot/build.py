@@ -1,6 +1,7 @@
 """Compiling a run's programs for a TPU slice from this CPU: the train step and eval step exactly as `train.py`
 builds them (`deberta_jax.train.programs`), and the length study's forward pass as `eval.py` runs it
-(`deberta_jax.study.scoring.score_function`, one chip per process, at a multiple of the training length).
+(`deberta_jax.study.scoring.score_function`, one chip per process, at a multiple of the training length), for the
+model as trained and under each requested length method (`length_study.LENGTH_METHODS`, `eval.py --methods`).
 
 Nothing executes: each program is lowered against shapes with shardings and compiled by libtpu, and
 `deberta_jax.aot.analysis` reads the executable.
@@ -44,11 +45,19 @@ def _compile(name: str, lower: Callable, tpu: TpuSlice, *, num_chips: int, token
                                   cost=analysis.program_cost(compiled))
 
 
-def length_forward_config(model_config: ModelConfig, kernel: str) -> ModelConfig:
-    """The model as the length study scores it past the training length with `kernel`: a learned absolute table
-    repeats its last trained row ('clip', one of the study's policies that reaches any length)."""
+def length_forward_config(model_config: ModelConfig, kernel: str, method: str | None = None) -> ModelConfig | None:
+    """The model as the length study scores it past the training length with `kernel`, under the length method
+    `method` (None: as trained): a learned absolute table repeats its last trained row ('clip', one of the study's
+    policies that reaches any length). None where the method has nothing to act on (as `length_study.with_methods`
+    skips it); `ConfigError` where the kernel cannot run the model so."""
     policy = "clip" if model_config.uses_absolute_table else model_config.absolute_position_policy
-    return dataclasses.replace(model_config, attention_kernel=kernel, absolute_position_policy=policy)
+    options = dict(attention_kernel=kernel, absolute_position_policy=policy)
+    if method is not None:
+        method_options = length_study.LENGTH_METHODS[method](model_config)
+        if method_options is None:
+            return None
+        options.update(method_options)
+    return model_config.with_options(**options)
 
 
 def model_config_for(config: config_dict.ConfigDict, tpu: TpuSlice) -> ModelConfig:
@@ -60,9 +69,14 @@ def model_config_for(config: config_dict.ConfigDict, tpu: TpuSlice) -> ModelConf
 
 def compile_run(config: config_dict.ConfigDict, tpu: TpuSlice, *, programs: Sequence[str] = PROGRAMS,
                 length_multiple: int = 8, length_kernels: Sequence[str] = LENGTH_KERNELS,
+                length_methods: Sequence[str] = (),
                 tokens_per_batch: int = length_study.StudySettings.tokens_per_batch) -> list[analysis.ProgramReport]:
     """Compile `programs` of the run `config` describes for `tpu`; one report each (the length forward once per
-    kernel). Raises `config_checks.ConfigError` for a config `train.py` would refuse on this slice."""
+    kernel as trained, and once per kernel and method of `length_methods`). Raises `config_checks.ConfigError` for a
+    config `train.py` would refuse on this slice, ValueError for an unknown length method."""
+    unknown = [m for m in length_methods if m not in length_study.LENGTH_METHODS]
+    if unknown:
+        raise ValueError(f"length methods {unknown} are unknown; choose from {list(length_study.LENGTH_METHODS)}")
     model_config = model_config_for(config, tpu)
     mesh = sharding.make_mesh(config.mesh.fsdp, tpu.devices)
     run = run_programs.build(config, model_config, mesh)
@@ -84,20 +98,26 @@ def compile_run(config: config_dict.ConfigDict, tpu: TpuSlice, *, programs: Sequ
     if "length" in programs:
         eval_len = seq_len * length_multiple
         for kernel in length_kernels:
-            reports.append(_compile_length_forward(model_config, kernel, eval_len, tokens_per_batch, tpu))
+            for method in (None, *length_methods):
+                reports.append(_compile_length_forward(model_config, kernel, method, eval_len, tokens_per_batch, tpu))
     return reports
 
 
-def _compile_length_forward(model_config: ModelConfig, kernel: str, eval_len: int, tokens_per_batch: int,
-                            tpu: TpuSlice) -> analysis.ProgramReport:
-    """The length study's scoring forward at `eval_len`, on one chip, with eval.py's batch for that length."""
-    name = f"length forward {eval_len} ({kernel})"
+def _compile_length_forward(model_config: ModelConfig, kernel: str, method: str | None, eval_len: int,
+                            tokens_per_batch: int, tpu: TpuSlice) -> analysis.ProgramReport:
+    """The length study's scoring forward at `eval_len` under `method` (None: as trained), on one chip, with
+    eval.py's batch for that length."""
+    name = f"length forward {eval_len} ({kernel}" + (f", {method})" if method else ")")
     try:
-        cfg = length_forward_config(model_config, kernel)
+        cfg = length_forward_config(model_config, kernel, method)
     except ConfigError as err:
         # What a kernel cannot run: a window's global tokens with either fused kernel, a window or a temperature
         # with the GPU kernel.
         return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=str(err))
+    if cfg is None:
+        return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=(
+            f"the length method {method!r} has nothing to act on in this model (attention={model_config.attention!r}, "
+            f"attention_temperature={model_config.attention_temperature!r}); eval.py skips it too"))
     rows = max(1, tokens_per_batch // eval_len)
     targets = scoring.scored_count(rows * eval_len, 0)
     flops = analysis.model_flops(cfg, rows, eval_len, targets, train=False)

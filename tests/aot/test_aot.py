@@ -12,6 +12,7 @@ import pytest
 from configs import bert, deberta
 from deberta_jax.aot import analysis, build
 from deberta_jax.aot.chips import CHIPS, GIB, TopologyError, parse_topology, tpu_slice
+from deberta_jax.study import length_study
 from deberta_jax.train import config_checks, sharding
 from deberta_jax.train import programs as run_programs
 from tests.helpers import REPO
@@ -85,7 +86,7 @@ def test_model_flops_match_the_compiled_matmuls(v5e_2x2):
     # 4 rows of 256 (1024 tokens), not eval.py's 16: the compile time grows with the rows (29 s at 16, 3 s at 4),
     # the ratio barely does (0.981 at 16 rows, 0.982 at 4; only a single row, where the batch-independent work is
     # not amortized, moves it, to 1.09).
-    report = build._compile_length_forward(model_config, "dense", 256, 4 * 256, v5e_2x2)
+    report = build._compile_length_forward(model_config, "dense", None, 256, 4 * 256, v5e_2x2)
     assert report.cost is not None
     assert 0.9 < report.cost.flops / report.model_flops < 1.1, (report.cost.flops, report.model_flops)
 
@@ -172,12 +173,14 @@ def test_command_refuses_a_length_multiple_below_one_in_one_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 def test_fused_tpu_kernel_compiles_into_the_train_step(topology):
-    """DeBERTa's train step with attention_kernel='pallas_tpu' compiles for v5e and v5p (Mosaic lowers the kernels
-    forward and backward), and its optimized program holds no gather whose output grows with N^2: the only gathers
-    left are the per-distance table expansion (O(N d)) and the embeddings'."""
+    """DeBERTa's train step with attention_kernel='pallas_tpu' and the published attention dropout (0.1, drawn inside
+    the kernels) compiles for v5e and v5p (Mosaic lowers the kernels forward and backward), and its optimized program
+    holds no gather whose output grows with N^2: the only gathers left are the per-distance table expansion (O(N d))
+    and the embeddings'."""
     config = micro(batch_size=8)
     config.data.seq_len = 256
-    config.model.update(attention_kernel="pallas_tpu", attention_dropout=0.0)
+    config.model.attention_kernel = "pallas_tpu"
+    assert config.model.attention_dropout == 0.1
     tpu = tpu_slice(topology)
     train, = build.compile_run(config, tpu, programs=["train"])
     assert train.cost is not None, train.error
@@ -185,3 +188,28 @@ def test_fused_tpu_kernel_compiles_into_the_train_step(topology):
     assert 0 < train.cost.largest_gather_bytes < 4 * n * n  # less than one float32 [N, N] score matrix
     # XLA counts the kernels' work through their cost estimates: about the model's FLOPs or more (recompute).
     assert train.cost.flops > 0.9 * train.model_flops / train.num_chips
+
+
+@pytest.mark.slow
+def test_length_forward_compiles_with_the_tpu_kernel_under_every_length_method(v5e_2x2):
+    """The 8x forward of a model trained with attention dropout, with the fused TPU kernel as trained and under each
+    length method the kernel runs (the temperature, the window and interpolated distances compile for a TPU); the
+    window's global tokens are a row saying why not, as is a method with nothing to act on."""
+    config = micro()
+    assert config.model.attention_dropout > 0
+    config.model.update(attention_kernel="pallas_tpu", num_layers=1)  # one layer: a quarter less to compile
+    reports = build.compile_run(config, v5e_2x2, programs=["length"], length_kernels=["pallas_tpu"],
+                                length_methods=list(length_study.LENGTH_METHODS), tokens_per_batch=256)
+    by_name = {report.name: report for report in reports}
+    methods = ["log_length", "window", "window_global", "interpolate_distances"]
+    assert list(by_name) == ["length forward 256 (pallas_tpu)",
+                             *(f"length forward 256 (pallas_tpu, {method})" for method in methods)]
+    for method in ("", ", log_length", ", window", ", interpolate_distances"):
+        report = by_name[f"length forward 256 (pallas_tpu{method})"]
+        assert report.cost is not None and report.fits, (method, report.error)
+    assert "window_global_tokens" in by_name["length forward 256 (pallas_tpu, window_global)"].error
+    bert_config = build.model_config_for(micro(bert), v5e_2x2)  # no relative distances to interpolate
+    nothing = build._compile_length_forward(bert_config, "pallas_tpu", "interpolate_distances", 256, 256, v5e_2x2)
+    assert nothing.cost is None and "has nothing to act on" in nothing.error
+    with pytest.raises(ValueError, match="length methods \\['far'\\] are unknown"):
+        build.compile_run(config, v5e_2x2, programs=["length"], length_methods=["far"])

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# DeBERTa-base with the fused TPU kernel as the study trains and scores it: attention dropout 0.1 (published; the
+# kernel draws it inside its tiles), train steps at 512 x 256, 2,048 x 64 and 8,192 x 16 tokens x rows on v5e-16
+# (mesh.fsdp=16) and v5p-8 (plain data parallelism, as results/aot), and the length study's forward at 8x the
+# 512-token training length as trained and under each length method the kernel runs (log_length, window,
+# interpolate_distances; window_global is refused by the fused kernels). Markdown rows in $OUT/table.md, records in
+# $OUT/<slice>-<tokens>.json. Needs libtpu; nothing runs on a TPU.
+#
+#   bash benchmarks/aot_fused_study.sh [OUT]          # OUT defaults to results/aot-fused/study
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-results/aot-fused/study}
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p "$OUT"
+export JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1
+
+aot() {  # aot NAME TOPOLOGY FSDP ARGS...
+  local name=$1 topology=$2 fsdp=$3
+  shift 3
+  "$PY" -m deberta_jax.aot --config configs/deberta.py:base --topology "$topology" --config.mesh.fsdp="$fsdp" \
+    --config.model.dtype=bfloat16 --config.model.attention_kernel=pallas_tpu --config.model.attention_dropout=0.1 \
+    --format markdown --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md" \
+    && { echo "$name done"; rm "$OUT/$name.log"; } || echo "$name FAILED: see $OUT/$name.log"
+}
+
+for slice in v5e:4x4:16 v5p:2x2x2:1; do
+  topology=${slice%:*} fsdp=${slice##*:}
+  tag=${topology/:/-}
+  aot "$tag-512" "$topology" "$fsdp" --programs=train,length --length_kernels=pallas_tpu \
+    --length_methods=log_length,window,interpolate_distances
+  for tokens_rows in 2048:64 8192:16; do
+    tokens=${tokens_rows%%:*}
+    aot "$tag-$tokens" "$topology" "$fsdp" --programs=train --config.data.seq_len="$tokens" \
+      --config.model.max_position_embeddings="$tokens" --config.train.batch_size="${tokens_rows##*:}"
+  done
+done
+{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
+  > "$OUT/table.md"
+rm "$OUT"/*-*.md
