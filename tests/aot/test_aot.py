@@ -51,17 +51,39 @@ def test_every_generation_gives_one_device_per_chip(topology, kind):
     assert tpu.num_chips == 4 and {d.device_kind for d in tpu.devices} == {kind}
 
 
+class KeepCompiled:
+    """A lowered program whose executable is kept when `build` compiles it, so a test can read the executable a
+    report came from without compiling it a second time (the costly part)."""
+
+    def __init__(self, lowered):
+        self.lowered, self.compiled = lowered, None
+
+    def compile(self):
+        self.compiled = self.lowered.compile()
+        return self.compiled
+
+
 @pytest.mark.slow
-def test_micro_train_step_fits_and_reports_the_executables_memory(v5e_2x2):
+def test_micro_train_step_fits_and_reports_the_executables_memory(v5e_2x2, monkeypatch):
     config = micro(batch_size=16)
     config.mesh.fsdp = 2
+    kept = {}
+    compile_report = build._compile
+
+    def keep(name, lower, *args, **kwargs):
+        kept[name] = KeepCompiled(lower())
+        return compile_report(name, lambda: kept[name], *args, **kwargs)
+    monkeypatch.setattr(build, "_compile", keep)
     train, = build.compile_run(config, v5e_2x2, programs=["train"])
     assert train.cost is not None and train.fits and train.num_chips == 4
 
-    # The same program compiled by hand, as train.py builds it: the report's bytes are its memory_analysis().
+    # The same program lowered by hand, as train.py builds it, is the one compiled (the same StableHLO, shardings
+    # included), and the report's bytes are that executable's memory_analysis().
     run = run_programs.build(config, build.model_config_for(config, v5e_2x2), sharding.make_mesh(2, v5e_2x2.devices))
     state = run_programs.abstract_with_sharding(run.abstract_state, run.state_sharding)
-    compiled = run.train_step.lower(state, run_programs.abstract_batch(16, 32, run.batch_sharding)).compile()
+    by_hand = run.train_step.lower(state, run_programs.abstract_batch(16, 32, run.batch_sharding))
+    assert by_hand.as_text() == kept["train step"].lowered.as_text()
+    compiled = kept["train step"].compiled
     memory = compiled.memory_analysis()
     assert train.cost.temp_bytes == memory.temp_size_in_bytes
     assert train.cost.argument_bytes == memory.argument_size_in_bytes
@@ -135,10 +157,10 @@ def test_command_prints_and_writes_the_figures(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     result = subprocess.run(
         [sys.executable, "-m", "deberta_jax.aot", "--config", "configs/deberta.py:micro", "--topology", "v5e:2x2",
-         "--config.model.remat=full", "--length_kernels=blockwise", f"--out={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+         "--config.model.remat=full", "--config.model.num_layers=1", "--length_kernels=blockwise", f"--out={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # one layer: a quarter less to compile
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "deberta.py:micro model.remat=full on v5e:2x2 (4 chips" in result.stdout
+    assert "deberta.py:micro model.remat=full model.num_layers=1 on v5e:2x2 (4 chips" in result.stdout
     rows = json.loads(out.read_text())
     assert [r["program"] for r in rows] == ["train step", "eval step", "length forward 256 (blockwise)"]
     assert all(r["fits"] and r["hbm_gib"] > 0 and r["step_ms"] > 0 for r in rows)
@@ -179,7 +201,7 @@ def test_fused_tpu_kernel_compiles_into_the_train_step(topology):
     and the embeddings'."""
     config = micro(batch_size=8)
     config.data.seq_len = 256
-    config.model.attention_kernel = "pallas_tpu"
+    config.model.update(attention_kernel="pallas_tpu", num_layers=1)  # one layer: a quarter less to compile
     assert config.model.attention_dropout == 0.1
     tpu = tpu_slice(topology)
     train, = build.compile_run(config, tpu, programs=["train"])

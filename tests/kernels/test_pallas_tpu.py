@@ -3,7 +3,7 @@ values, both projected relative tables, a per-distance bias and T5's table behin
 and off, log buckets and exact distances, padding, lengths that are not a multiple of the tile, float32 and
 bfloat16, attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every
 windowed pair); and the model computes the same with it. Compiling it for TPUs is tested in
-test_pallas_tpu_compiles.py, the dropout mask under a sharded batch in test_pallas_tpu_sharded_dropout.py."""
+test_pallas_tpu_compiles.py, the dropout mask under a sharded batch in test_pallas_tpu_sharded.py."""
 
 import dataclasses
 import functools
@@ -44,6 +44,11 @@ def max_error(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def fused(**kw):
+    """The kernel with `kw`, jitted: the interpreted tiles run as one compiled program, not op by op."""
+    return jax.jit(functools.partial(pallas_tpu_attention, **kw))
+
+
 @pytest.mark.parametrize("terms_on,buckets", [
     (("c2p", "p2c"), R // 2),  # DeBERTa v2/v3: log buckets, clamped outermost rows
     (("c2p", "p2c"), 0),       # exact distances, clipped at max_relative_positions
@@ -54,8 +59,8 @@ def max_error(a, b):
 def test_equals_dense_kernel_outputs_and_gradients(terms_on, buckets):
     terms, v, key_mask = table_inputs(terms_on, buckets)
     # Tiles of 16 over 37 positions: three tiles, five diagonals, the last tile mostly padding.
-    out, grads = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=16), terms, v, key_mask)
-    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(tile=16), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6
     # Every leaf that gets a gradient: q, k, v and each table that is on (observed ~7e-7).
     assert len(jax.tree.leaves(grads)) == 3 + len(terms_on)
@@ -66,8 +71,8 @@ def test_the_tpu_tile_size():
     """Tiles of 128 (what Mosaic compiles), a length just past one tile: the strides of the lane rotation are
     those of the compiled kernel."""
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, n=130, b=1, h=1)  # interpreted 128-row rotations: slow
-    out, grads = outputs_and_grads(pallas_tpu_attention, terms, v, key_mask)
-    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6 and max_error(grads, want_grads) < 5e-6
 
 
@@ -76,12 +81,12 @@ def test_bfloat16_within_its_rounding():
     (both round the products' inputs and the probabilities to bfloat16)."""
     terms16, v16, key_mask = table_inputs(("c2p", "p2c"), R // 2, dtype=jnp.bfloat16)
     terms32, v32 = jax.tree.map(lambda x: x.astype(jnp.float32), (terms16, v16))
-    reference = outputs_and_grads(dense_attention, terms32, v32, key_mask)
-    fused = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=16), terms16, v16, key_mask)
-    dense = outputs_and_grads(dense_attention, terms16, v16, key_mask)
-    assert fused[0].dtype == jnp.bfloat16
+    reference = outputs_and_grads(jax.jit(dense_attention), terms32, v32, key_mask)
+    got = outputs_and_grads(fused(tile=16), terms16, v16, key_mask)
+    dense = outputs_and_grads(jax.jit(dense_attention), terms16, v16, key_mask)
+    assert got[0].dtype == jnp.bfloat16
     for part in (0, 1):
-        assert max_error(fused[part], reference[part]) < 2 * max_error(dense[part], reference[part]) + 1e-2
+        assert max_error(got[part], reference[part]) < 2 * max_error(dense[part], reference[part]) + 1e-2
 
 
 def test_expanded_tables_read_every_distance_in_place():
@@ -160,17 +165,12 @@ def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence
     shows. One head, tiles of 8 over 20 positions (the last tile half real)."""
     terms, v, _ = table_inputs(("c2p", "p2c"), R // 2, n=20, b=2, h=1)
     key_mask = jnp.ones((2, 20), jnp.int32).at[0, 13:].set(0)
-    out, grads = outputs_and_grads(lambda *a: pallas_tpu_attention(*a, tile=8), terms, v, key_mask)
-    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(tile=8), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6
     assert max_error(grads[0].pos_key, want_grads[0].pos_key) < 3e-6
     assert max_error(grads[0].pos_query, want_grads[0].pos_query) < 3e-6
     assert max_error(grads, want_grads) < 3e-6
-
-
-def fused(**kw):
-    """The kernel with `kw`, jitted: the interpreted tiles run as one compiled program, not op by op."""
-    return jax.jit(functools.partial(pallas_tpu_attention, **kw))
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 3e-6), (jnp.bfloat16, None)])

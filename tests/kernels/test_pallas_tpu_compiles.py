@@ -2,6 +2,7 @@
 backward) from this machine's CPU with libtpu: what the interpreter's parity tests (test_pallas_tpu.py) cannot
 show. The whole train step with the kernel is compiled in tests/aot/test_aot.py."""
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,11 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", True)
 
 
+@functools.cache
 def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, temperature=True, window=0):
     """The compiled value and gradients (every input) of one DeBERTa attention call on one chip of `topology`, with
     a per-distance bias, attention dropout, a temperature per query and head (a learned one's shape) and a
-    window."""
+    window. Each program is compiled once per module (the tests below share one)."""
     device = SingleDeviceSharding(tpu_slice(topology).devices[0])
     spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)  # noqa: E731
     rel = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
@@ -46,9 +48,9 @@ def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate
 def test_every_option_compiles_for_tpus(topology):
     """A bias per distance (its slice broadcast and rotated into place, its gradient's column sums), attention
     dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels), a temperature per head
-    (its gradient's row reductions) and a window of 64 over 384 positions (index maps that compute the key tile
-    from the query tile, the window's mask from the tile's iotas)."""
-    assert compile_for_tpu(topology, 384, window=64) is not None
+    (its gradient's row reductions) and a window of 64 over 1,024 positions (index maps that compute the key tile
+    from the query tile, the window's mask from the tile's iotas; on v5e the program the next test measures)."""
+    assert compile_for_tpu(topology, 1024, window=64) is not None
 
 
 def test_a_windowed_call_costs_length_times_window():
