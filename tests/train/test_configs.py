@@ -136,6 +136,18 @@ def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
     assert "/no/such/file.txt" not in result.stderr
 
 
+def _variant_config(plan, variant):
+    """A sweep run's training config at its first training length, as the runner's command line builds it."""
+    from deberta_jax.study import sweep
+
+    family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
+    config = family.get_config("tiny")
+    config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
+    config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+    config.data.seq_len = plan.seq_lens[0]
+    return config
+
+
 @pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "smoke"])
 def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
@@ -145,11 +157,7 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     plan = natural.get_config(arg)
     resolved = {}
     for variant in plan.variants:
-        family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
-        config = family.get_config("tiny")
-        config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
-        config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
-        config.data.seq_len = plan.seq_lens[0]
+        config = _variant_config(plan, variant)
         validate(config, num_devices=1)
         resolved[variant.name] = config
     expected = {"core": [v.name for v in variants.core()], "seeds": natural.SEED_NAMES,
@@ -211,16 +219,12 @@ def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
     published attention dropout 0.1, and takes every length method the study applies to it (log_length, window,
     interpolate_distances) with the kernel; window_global alone is refused, in one line naming the field, since its
     global keys lie in the key tiles the window's band skips."""
-    from deberta_jax.study import length_study, sweep
+    from deberta_jax.study import length_study
 
     seen, methods_seen, checked = set(), set(), set()
     for label, plan in _sweep_plans():
         for variant in plan.variants:
-            family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
-            config = family.get_config("tiny")
-            config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
-            config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
-            config.data.seq_len = plan.seq_lens[0]
+            config = _variant_config(plan, variant)
             config.model.update(attention_kernel="pallas_tpu", attention_dropout=0.1)
             key = repr((config.data.seq_len, sorted(config.model.to_dict().items())))
             if key in checked:  # the same run family in another sweep
