@@ -22,7 +22,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402 - after the platform is chosen
 import pytest  # noqa: E402
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
+                                                  "--xla_cpu_use_fusion_emitters=false"]))
 
 
 @pytest.fixture(scope="session", autouse=True)

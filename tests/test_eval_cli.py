@@ -1,5 +1,5 @@
-"""eval.py end to end: a run trained on synthetic data is scored with the unigram floor and the task's oracle,
-and a bad flag value is a usage error that names the flag."""
+"""eval.py end to end: a run trained on synthetic data is scored with the unigram floor and the task's oracle; what
+it refuses about that run and its texts. Bad flags that need no trained run are rows of tests/test_command_lines.py."""
 
 import gzip
 import json
@@ -77,13 +77,6 @@ def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(
     assert {r["eval_len"] for r in json.loads(gzip.decompress(final["results.json.gz"]))["records"]} == {32, 64}
 
 
-def test_a_bad_checkpoint_flag_names_the_flag(workdir, tmp_path):
-    result = eval_py("--workdir", str(workdir), "--data_files", "synthetic:markov:test", "--checkpoint", "abc",
-                     "--out", str(tmp_path))
-    assert result.returncode != 0 and "--checkpoint='abc'" in result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1  # no help text either
-
-
 def test_two_eval_files_with_one_label_are_refused(workdir, tmp_path):
     """`A/x/valid.txt` and `B/x/valid.txt` would both be `x/valid`: one would silently replace the other."""
     paths = []
@@ -97,16 +90,6 @@ def test_two_eval_files_with_one_label_are_refused(workdir, tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"--data_files '{paths[0]}' and '{paths[1]}' would both be reported as 'x/valid'" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out" / "results.json.gz").exists()
-
-
-def test_a_workdir_given_twice_is_refused_not_averaged_as_two_seeds(tmp_path):
-    """Checked before any model is loaded (`length_study.check_labels`, whose own test covers shared labels)."""
-    result = eval_py("--workdir", str(tmp_path / "run"), "--workdir", f"{tmp_path}/./run/", "--data_files",
-                     "synthetic:markov:test:docs=1,doc_len=50", "--out", str(tmp_path / "out"))
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert result.stderr.startswith(f"eval.py: --workdir {tmp_path}/./run/ is given twice ({tmp_path / 'run'}): one "
-                                    "run scored twice would be averaged as two seeds with a zero-width interval")
-    assert "Traceback" not in result.stderr
 
 
 def test_eval_text_without_targets_is_refused_naming_it(workdir, tmp_path):

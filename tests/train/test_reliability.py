@@ -198,13 +198,13 @@ def test_resuming_with_another_vocab_size_is_refused_and_older_workdirs_still_re
 
 
 # ---------------------------------------------------------------------------------- SIGKILL at any moment
-KILLS = 12
+KILLS = 8
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_sigkill_at_random_moments_never_stops_the_next_restart(straight_run, cache, tmp_path):
-    """train.py killed (SIGKILL) 12 times at random moments, then run to the end: every logged value and the final
+    """train.py killed (SIGKILL) 8 times at random moments, then run to the end: every logged value and the final
     parameters equal an uninterrupted run's.
 
     A kill lands either during start-up (a random delay of up to START_UP_S) or a random 0-0.3 s after the k-th
