@@ -36,19 +36,30 @@ def micro_config(cache_dir, **train_fields):
     return config
 
 
+def variant_config(variant, size: str, *overrides):
+    """A sweep variant's training config as the runner's command line builds it: its model-family config
+    (`variant.config`, BERT's or DeBERTa's) at `size`, then each of `overrides` (ConfigDicts, e.g. a sweep's common
+    overrides), then the variant's own."""
+    from configs import bert
+    from configs.sweeps import variants
+    from deberta_jax.study import sweep
+
+    config = {variants.BERT: bert, variants.DEBERTA: deberta}[variant.config].get_config(size)
+    for tree in (*overrides, variant.overrides):
+        config.update_from_flattened_dict(sweep.flatten(tree.to_dict()))
+    return config
+
+
 def sweep_variant_configs(seq_len: int, **changes) -> dict[str, dict]:
     """`ModelConfig` fields of every run family the sweeps train (`configs/sweeps/variants.py`: the core set and the
     absolute baselines) at the micro size, as trained at `seq_len`, with `changes`: the one variant list, which
     tests read rather than repeat."""
-    from configs import bert
     from configs.sweeps import variants
 
-    families = {variants.BERT: bert, variants.DEBERTA: deberta}
     out = {}
     for variant in variants.core() + variants.absolute_baselines():
-        config = families[variant.config].get_config("micro")
+        config = variant_config(variant, "micro")
         config.data.seq_len = seq_len
-        config.model.update(variant.overrides.model.to_dict())
         out[variant.name] = dict(config.model.to_dict(), trained_length=seq_len, **changes)
     return out
 

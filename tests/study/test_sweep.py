@@ -10,17 +10,13 @@ import pytest
 from ml_collections import config_dict
 
 import train
-from configs import bert, deberta
 from configs.sweeps import ablation, natural, synthetic
 from deberta_jax.data import errors
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
-from tests.helpers import REPO, write_brown_slices
+from tests.helpers import REPO, variant_config, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
-
-FAMILIES = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -29,8 +25,7 @@ def corpus(tmp_path_factory):
 
 def micro_variant_config(variant, corpus):
     """The variant's family config at micro size with its model overrides, as the runner would build it."""
-    config = FAMILIES[variant.config].get_config("micro")
-    config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+    config = variant_config(variant, "micro")
     config.update_from_flattened_dict({
         "data.train_files": str(corpus / "train.txt"), "data.eval_files": str(corpus / "valid.txt"),
         "data.tokenizer": str(corpus / "tokenizer.json"), "data.cache_dir": str(corpus / "cache"),

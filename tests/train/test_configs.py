@@ -9,7 +9,7 @@ import pytest
 from configs import bert, common, deberta
 from deberta_jax.model.config import ConfigError
 from deberta_jax.train.config_checks import resolved, validate
-from tests.helpers import REPO
+from tests.helpers import REPO, variant_config
 
 FAMILIES = {"bert": bert, "deberta": deberta}
 
@@ -137,13 +137,8 @@ def test_train_py_rejects_a_bad_field_before_reading_data(tmp_path):
 
 
 def _variant_config(plan, variant):
-    """A sweep run's training config at its first training length, as the runner's command line builds it."""
-    from deberta_jax.study import sweep
-
-    family = {"configs/bert.py:tiny": bert, "configs/deberta.py:tiny": deberta}[variant.config]
-    config = family.get_config("tiny")
-    config.update_from_flattened_dict(sweep.flatten(plan.common_overrides.to_dict()))
-    config.update_from_flattened_dict(sweep.flatten(variant.overrides.to_dict()))
+    """A sweep run's training config at its first training length."""
+    config = variant_config(variant, "tiny", plan.common_overrides)
     config.data.seq_len = plan.seq_lens[0]
     return config
 
