@@ -21,19 +21,20 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
   compute each step's key tile from the query tile, so tiles outside it are neither computed nor read and a call
   costs `O(N W)`. Keys of a visited tile outside a query's window are masked like padding.
 
-The backward pass recomputes each tile's probabilities from the log-sum-exp in two kernels, FlashAttention-2's
-split: queries over key tiles, keys and values over query tiles (over the band of query tiles whose windows reach
-the key tile, with a window). The inverse rotation (`_unskew`) takes a tile's score gradient back to per-distance
-columns, which give c2p's share of dq (and p2c's of dk) and add into the head's whole table gradient, held in VMEM
-(float32) while every sequence and tile pair of the head goes by; summed over the tile's queries they are the
-bias's gradient per distance, accumulated the same way (and added into T5's table by the expansion's gradient). A
-temperature (a factor per query, and per head when learned, on its whole score row) gets its gradient, the row sum
-of the score gradient times the scores before the factor, in the dq kernel, which visits every key tile of a query
-tile.
+The backward pass is one kernel: each key tile visits its query tiles (the band of those whose windows reach it,
+with a window), recomputing every tile pair's probabilities from the log-sum-exp once (FlashAttention-2 splits
+this into a dq pass and a dk/dv pass, each recomputing the scores: here five of the pair's products). dk and dv
+accumulate over the key tile's query tiles; dq, and a temperature's gradient (a factor per query, and per head when
+learned, on its whole score row: the row sum of the score gradient times the scores before the factor), over the
+sequence, in float32 blocks of all its queries held in VMEM. The inverse rotation (`_unskew`) takes a tile's score
+gradient back to per-distance columns, which give c2p's share of dq (and p2c's of dk) and add into the head's whole
+table gradient, held in VMEM (float32) while every sequence and tile pair of the head goes by; summed over the
+tile's queries they are the bias's gradient per distance, accumulated the same way (and added into T5's table by
+the expansion's gradient).
 
 Attention dropout is drawn inside the kernels from hashes of the tile's query and key positions
 (`dropout_masks.attention_keep`; the hashes of every sequence, head and position are computed once outside, for the
-whole batch): the dense kernel's mask, which both backward kernels draw again at any tile size.
+whole batch): the dense kernel's mask, which the backward kernel draws again at any tile size.
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
 (the expansion reads the per-distance index), a per-distance bias, attention dropout, a temperature and a window.
@@ -176,16 +177,35 @@ def _unskew(grad, tile: int):
     return jnp.concatenate(halves, axis=1)
 
 
-def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile):
+def _position_product(x, rows, carried):
+    """`x @ rows`, `[T, d] x [d, 2T]` -> `[T, 2T]` float32. With `carried` (a `[T, T]` float32 scratch) the left
+    half is the previous grid step's right half: along the innermost grid axis the side that `x` belongs to stays
+    fixed and the other moves one tile, so the distances move one tile too and the pair's left `[d, T]` rows are
+    the previous pair's right ones (one product per step instead of two, plus one at the axis' first step)."""
+    if carried is None:
+        return _dot(x, rows)
+    t = x.shape[0]
+
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        carried[...] = _dot(x, rows[:, :t])
+
+    left, right = carried[...], _dot(x, rows[:, t:])
+    carried[...] = right
+    return jnp.concatenate([left, right], axis=1)
+
+
+def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, c2p_carried=None, p2c_carried=None):
     """Masked float32 scores `[T, T]` of one tile, its scores before the temperature, and the temperature column
-    `[T, 1]` (None without one)."""
+    `[T, 1]` (None without one). `*_carried`: a position term's scratch for `_position_product` in the kernel whose
+    innermost grid axis moves the other side (the forward's keys for c2p, the backward's queries for p2c)."""
     t = shape.tile
     ec, eq, eb = _table_rows(shape, options, query_tile, key_tile)
     raw = _dot_t(q, k)
     if shape.c2p:
-        raw = raw + _skew(_dot(q, ec), t)
+        raw = raw + _skew(_position_product(q, ec, c2p_carried), t)
     if shape.p2c:
-        raw = raw + _skew(_dot(k, eq), t).T
+        raw = raw + _skew(_position_product(k, eq, p2c_carried), t).T
     bias = _skew(jnp.broadcast_to(eb, (t, 2 * t)), t) if shape.bias else None
     scores = combine_scores(raw, 0.0, bias, shape.divisor)
     temperature = _to_column(options.temperature[...]) if shape.temperature else None
@@ -220,12 +240,14 @@ def _to_column(row):
     return jnp.broadcast_to(row, (t, t)).T[:, :1]
 
 
-def _table_columns(shape: KernelShape, sign: int, query_tile, key_tile):
+def _table_columns(shape: KernelShape, sign: int, query_tile, key_tile, offset: int = 0, width: int = 2):
     """The `2T` columns of an expanded table that tile pair (query_tile, key_tile) reads: from block
-    `n - 1 - (i - j)` in the reversed layout (c2p, `sign` -1), `n - 1 + (i - j)` in the forward one (p2c, +1).
-    Aligned to the tile, so a slice of the head's table (resident in VMEM) is a plain load or store."""
+    `n - 1 - (i - j)` in the reversed layout (c2p, `sign` -1), `n - 1 + (i - j)` in the forward one (p2c, +1); or
+    `width` blocks of them from block `offset`. Aligned to the tile, so a slice of the head's table (resident in
+    VMEM) is a plain load or store."""
     t = shape.tile
-    return pl.ds(pl.multiple_of((shape.num_tiles - 1 + sign * (query_tile - key_tile)) * t, t), 2 * t)
+    first = shape.num_tiles - 1 + sign * (query_tile - key_tile) + offset
+    return pl.ds(pl.multiple_of(first * t, t), width * t)
 
 
 def _table_rows(shape: KernelShape, options, query_tile, key_tile):
@@ -272,7 +294,8 @@ def _keep(shape: KernelShape, options: _Options):
 
 # ------------------------------------------------------------------------------------------------- forward
 def _forward_kernel(*refs, shape: KernelShape, tiles):
-    (q_ref, k_ref, v_ref, mask_ref), options, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split_refs(refs, shape, 4)
+    (q_ref, k_ref, v_ref, mask_ref), options, rest = _split_refs(refs, shape, 4)
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, c2p_sc = _pop(rest, True, True, True, True, True, shape.c2p)
     step = pl.program_id(3)
     query_tile, key_tile = tiles(pl.program_id(2), step)
 
@@ -283,7 +306,7 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
     s, _, _ = _scores(shape, q_ref[...], k_ref[...], options, _attended(shape, mask_ref, query_tile, key_tile),
-                      query_tile, key_tile)
+                      query_tile, key_tile, c2p_carried=c2p_sc)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
@@ -301,7 +324,8 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
 
 
 # ------------------------------------------------------------------------------------------------ backward
-def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_tile, do, lse, delta):
+def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_tile, do, lse, delta,
+                p2c_carried):
     """For one tile: the probabilities as the forward pass weighed the values (after dropout), the gradient of the
     scores before the temperature (`combine_scores`' sum; masked keys get none), and the temperature's gradient
     per query (`[T, 1]`, None without one).
@@ -309,7 +333,7 @@ def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_
     With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
     probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
     attended = _attended(shape, mask_ref, query_tile, key_tile)
-    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile)
+    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile, p2c_carried=p2c_carried)
     p = jnp.exp(s - _to_column(lse))
     keep = _keep(shape, options)
     dp = dropout_masks.apply(_dot_t(do, v), keep, shape.dropout_rate)
@@ -320,20 +344,6 @@ def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_
             jnp.sum(ds * scores, axis=1, keepdims=True))
 
 
-def _table_gradient(acc, grad, columns, first, last, out):
-    """Add one tile pair's `[d, 2T]` table gradient into the head's whole-table float32 accumulator at the
-    `columns` the pair read, zeroed at the head's first step and written out at its last."""
-    @pl.when(first)
-    def _():
-        acc[...] = jnp.zeros_like(acc)
-
-    acc[:, columns] = acc[:, columns] + grad
-
-    @pl.when(last)
-    def _():
-        out[...] = acc[...].astype(out.dtype)
-
-
 def _head_steps():
     """(first, last) step of a head in a backward grid (head, sequence, x, y), where x and y are its tiles."""
     first = (pl.program_id(1) == 0) & (pl.program_id(2) == 0) & (pl.program_id(3) == 0)
@@ -342,104 +352,135 @@ def _head_steps():
     return first, last
 
 
-def _dq_kernel(*refs, shape: KernelShape, tiles):
-    """Grid (head, sequence, query tile, key tile step): dq and the temperature's gradient over key tiles, and
-    c2p's table gradient and the bias's over the head."""
+def _query_rows(shape: KernelShape, query_tile):
+    """The query tile's rows of a whole-sequence block (an aligned dynamic slice: a plain load or store)."""
+    return pl.ds(pl.multiple_of(query_tile * shape.tile, shape.tile), shape.tile)
+
+
+def _backward_kernel(*refs, shape: KernelShape, tiles):
+    """Grid (head, sequence, key tile, query tile step): every gradient in one pass over the tile pairs, so each
+    pair's scores and probabilities are recomputed once. dk and dv accumulate over the key tile's query tiles; dq
+    and the temperature's gradient over the whole sequence (float32 blocks of every query, in VMEM while the
+    sequence's pairs go by); the tables' and the bias's over the head.
+
+    p2c's products share halves between consecutive steps, as its scores do (`_position_product`): the key tile is
+    fixed and the pair's distances move one tile per step, so the right half of a step's per-distance gradient
+    multiplies the same `[d, T]` table rows as the next step's left half. The two are summed first (`p2c_pending`)
+    and each block of rows takes one product for dk and one for its table gradient."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
-    dq_ref, d_ec_ref, d_eb_ref, dt_ref = _pop(rest, True, shape.c2p, shape.bias, shape.temperature)
-    dq_sc, ec_acc, eb_acc, dt_sc = _pop(rest, True, shape.c2p, shape.bias, shape.temperature)
+    on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature)
+    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref = _pop(rest, *on)
+    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc = _pop(rest, *on)
+    p2c_carried, p2c_pending = _pop(rest, shape.p2c, shape.p2c)
+    t = shape.tile
     step = pl.program_id(3)
+    last_step = step == pl.num_programs(3) - 1
     query_tile, key_tile = tiles(pl.program_id(2), step)
-
-    @pl.when(step == 0)
-    def _():
-        dq_sc[...] = jnp.zeros_like(dq_sc)
-        if shape.temperature:
-            dt_sc[...] = jnp.zeros_like(dt_sc)
-
-    q, k = q_ref[...], k_ref[...]
-    _, d_scores, dt = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do_ref[...],
-                                  lse_ref[...], delta_ref[...])
-    ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
-    dq = _dot(ds.astype(k.dtype), k)
-    columns = _table_columns(shape, -1, query_tile, key_tile)
-    if shape.c2p or shape.bias:
-        per_distance = _unskew(d_scores, shape.tile)  # the scores' gradient per (query, distance)
-    if shape.c2p:
-        ec_rows, _, _ = _table_rows(shape, options, query_tile, key_tile)
-        per_distance_raw = per_distance / shape.divisor
-        dq = dq + _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
-        _table_gradient(ec_acc, _dot(q.T.astype(jnp.float32), per_distance_raw), columns, *_head_steps(), d_ec_ref)
-    if shape.bias:
-        _table_gradient(eb_acc, per_distance.sum(axis=0, keepdims=True), columns, *_head_steps(), d_eb_ref)
-    dq_sc[...] += dq
-    if shape.temperature:
-        dt_sc[...] += dt
-
-    @pl.when(step == pl.num_programs(3) - 1)
-    def _():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
-        if shape.temperature:
-            dt_ref[...] = _to_row(dt_sc[...])
-
-
-def _dkv_kernel(*refs, shape: KernelShape, tiles):
-    """Grid (head, sequence, key tile, query tile step): dk and dv over query tiles, and p2c's table gradient."""
-    (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
-    dk_ref, dv_ref, d_eq_ref = _pop(rest, True, True, shape.p2c)
-    dk_sc, dv_sc, eq_acc = _pop(rest, True, True, shape.p2c)
-    step = pl.program_id(3)
-    query_tile, key_tile = tiles(pl.program_id(2), step)
+    sequence_first = (pl.program_id(2) == 0) & (step == 0)
+    sequence_last = (pl.program_id(2) == pl.num_programs(2) - 1) & last_step
+    head_first, head_last = _head_steps()
 
     @pl.when(step == 0)
     def _():
         dk_sc[...] = jnp.zeros_like(dk_sc)
         dv_sc[...] = jnp.zeros_like(dv_sc)
+        if shape.p2c:
+            p2c_pending[...] = jnp.zeros_like(p2c_pending)
+
+    @pl.when(sequence_first)
+    def _():
+        dq_sc[...] = jnp.zeros_like(dq_sc)
+        if shape.temperature:
+            dt_sc[...] = jnp.zeros_like(dt_sc)
+
+    @pl.when(head_first)
+    def _():
+        for acc in (ec_acc, eq_acc, eb_acc):
+            if acc is not None:
+                acc[...] = jnp.zeros_like(acc)
 
     q, k, do = q_ref[...], k_ref[...], do_ref[...]
-    p, d_scores, _ = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do,
-                                 lse_ref[...], delta_ref[...])
-    ds = d_scores / shape.divisor
+    p, d_scores, dt = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do,
+                                  lse_ref[...], delta_ref[...], p2c_carried)
+    ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
+    dq = _dot(ds.astype(k.dtype), k)
     dk = _dot(ds.T.astype(q.dtype), q)
+    ec_rows, eq_rows, _ = _table_rows(shape, options, query_tile, key_tile)
+    if shape.c2p or shape.bias:
+        per_distance = _unskew(d_scores, t)  # the scores' gradient per (query, distance)
+        columns = _table_columns(shape, -1, query_tile, key_tile)
+    if shape.c2p:
+        per_distance_raw = per_distance / shape.divisor
+        dq = dq + _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
+        ec_acc[:, columns] += _dot(q.T.astype(jnp.float32), per_distance_raw)
+    if shape.bias:
+        eb_acc[:, columns] += per_distance.sum(axis=0, keepdims=True)
     if shape.p2c:
-        _, eq_rows, _ = _table_rows(shape, options, query_tile, key_tile)
-        per_distance = _unskew(ds.T, shape.tile)
-        dk = dk + _dot_t(per_distance.astype(eq_rows.dtype), eq_rows)
-        _table_gradient(eq_acc, _dot(k.T.astype(jnp.float32), per_distance),
-                        _table_columns(shape, 1, query_tile, key_tile), *_head_steps(), d_eq_ref)
+        per_key = _unskew(ds.T, t)  # per (key, distance)
+        merged = p2c_pending[...] + per_key[:, :t]
+        p2c_pending[...] = per_key[:, t:]
+        dk = dk + _dot_t(merged.astype(eq_rows.dtype), eq_rows[:, :t])
+        eq_acc[:, _table_columns(shape, 1, query_tile, key_tile, width=1)] += _dot(k.T.astype(jnp.float32), merged)
+
+        @pl.when(last_step)
+        def _():
+            rest = p2c_pending[...]
+            dk_sc[...] += _dot_t(rest.astype(eq_rows.dtype), eq_rows[:, t:])
+            eq_acc[:, _table_columns(shape, 1, query_tile, key_tile, offset=1, width=1)] += _dot(
+                k.T.astype(jnp.float32), rest)
+    rows = _query_rows(shape, query_tile)
+    dq_sc[rows, :] = dq_sc[rows, :] + dq
+    if shape.temperature:
+        dt_sc[:, rows] = dt_sc[:, rows] + _to_row(dt)
     dk_sc[...] += dk
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
-    @pl.when(step == pl.num_programs(3) - 1)
+    @pl.when(last_step)
     def _():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
+    @pl.when(sequence_last)
+    def _():
+        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+        if shape.temperature:
+            dt_ref[...] = dt_sc[...]
+
+    @pl.when(head_last)
+    def _():
+        for acc, out in ((ec_acc, d_ec_ref), (eq_acc, d_eq_ref), (eb_acc, d_eb_ref)):
+            if acc is not None:
+                out[...] = acc[...].astype(out.dtype)
+
 
 # ------------------------------------------------------------------------------------------------ plumbing
-# Matrix-unit work per tile pair beyond recomputing the scores, in units of a `[T, T] x [T, d]` product: the
-# forward's p @ v; dq's dp, ds @ k and c2p's `[T, 2T] x [2T, d]` for dq and `[d, T] x [T, 2T]` for its table;
-# dk/dv's dp, ds^T @ q, p^T @ do and p2c's two.
-_EXTRA_PRODUCTS = {"_forward_kernel": lambda s: 1, "_dq_kernel": lambda s: 2 + 4 * s.c2p,
-                   "_dkv_kernel": lambda s: 3 + 4 * s.p2c}
+# Matrix-unit products per tile pair, in units of one `[T, d] x [d, T]` (`steps`: the innermost grid axis' length).
+# Forward: q.k and p @ v; c2p's `[T, 2T]` product is one unit a step (the half it shares with the last step is kept,
+# `_position_product`) plus one at the axis' first step; p2c's two, since its side moves every step. Backward:
+# q.k, dp, ds @ k, ds^T @ q, p^T @ do; c2p's scores (2), its share of dq (`[T, 2T] x [2T, d]`, 2) and its table's
+# gradient (`[d, T] x [T, 2T]`, 2); p2c's scores, share of dk and table gradient one unit each, its halves shared
+# across steps, plus three at the axis' ends.
+_PRODUCTS = {
+    "_forward_kernel": lambda s, steps: 2 + s.c2p * (1 + 1 / steps) + 2 * s.p2c,
+    "_backward_kernel": lambda s, steps: 5 + 6 * s.c2p + 3 * s.p2c * (1 + 1 / steps),
+}
 
 
 def _cost(kernel, shape: KernelShape, grid, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
-    products of every tile pair the grid visits (scores: q.k plus `[T, d] x [d, 2T]` per position term; a window's
-    band, not every pair), one exp per score, and the bytes the grid moves: blocks of the `resident` side (the one
-    fixed along the innermost grid axis) once, the other side's once per step of that axis, an input shared by the
-    heads (the key mask, a temperature without a head axis) once per head, and each head's tables once per
-    sequence."""
+    products of every tile pair the grid visits (`_PRODUCTS`; a window's band, not every pair), one exp per score,
+    and the bytes the grid moves: blocks of the `resident` side (the one fixed along the innermost grid axis) once,
+    the other side's once per step of that axis, an input shared by the heads (the key mask, a temperature without
+    a head axis) once per head, and each head's tables once per sequence."""
     b, h, _, d = inputs[0][0].shape
     pairs = b * h * grid[2] * grid[3]
     unit = 2 * shape.tile ** 2 * d
-    products = 1 + 2 * (shape.c2p + shape.p2c) + _EXTRA_PRODUCTS[kernel.__name__](shape)
+    products = _PRODUCTS[kernel.__name__](shape, grid[3])
     streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else grid[3]) * (b * h // math.prod(x.shape[:2]))
                    for x, (_, side) in zip(*inputs))
     streamed += sum(x.size * x.dtype.itemsize * b for x in tables)
     written = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(out_shapes))
-    return pl.CostEstimate(flops=pairs * unit * products, transcendentals=pairs * shape.tile ** 2,
+    return pl.CostEstimate(flops=round(pairs * unit * products), transcendentals=pairs * shape.tile ** 2,
                            bytes_accessed=streamed + written)
 
 
@@ -468,7 +509,7 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
     cost = _cost(kernel, shape, grid, inputs, tables, resident, out_shapes)
     # VMEM for every block twice (Pallas double-buffers them) and the scratch, plus 16 MiB for the tile's
     # intermediates, at least 32 MiB. v5e/v5p/v6e chips have 95-128 MiB: DeBERTa-base's whole-head tables (and the
-    # table-gradient kernel's float32 accumulators) reach that at about 24k tokens.
+    # backward kernel's float32 accumulators of them and of the sequence's dq) reach that at about 24k tokens.
     def block_bytes(spec, x):
         return math.prod(s for s in spec.block_shape if s is not None) * jnp.dtype(x.dtype).itemsize
     blocks = [block_bytes(s, x) for s, x in zip(in_specs, operands)]
@@ -516,7 +557,8 @@ def _forward(shape: KernelShape, q, k, v, mask, options):
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, 1, n_pad), jnp.float32)],
         [pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0)),
          pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
-        [pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, d), jnp.float32)],
+        [pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, d), jnp.float32)]
+        + [pltpu.VMEM((t, t), jnp.float32)] * shape.c2p,
         (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY), resident="q")
     return out, lse
 
@@ -539,40 +581,35 @@ def _attention_bwd(shape: KernelShape, residuals, d_out):
     inputs, tables = _inputs(shape, (q, k, v, mask, d_out, lse, delta),
                              (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _ROW_Q, _ROW_Q), options)
     # Heads outermost: a head's table gradient accumulates over its sequences and tile pairs, so only heads run
-    # in parallel when one is computed.
+    # in parallel when one is computed; dq accumulates over a sequence's key tiles, so those run in order.
     order = lambda h_, b_, x, y: (b_, h_, x, y)  # noqa: E731
-    token = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
+    key_tile = pl.BlockSpec((None, None, t, d), lambda h_, b_, x, y: (b_, h_, x, 0))
+    sequence = pl.BlockSpec((None, None, n_pad, d), lambda h_, b_, x, y: (b_, h_, 0, 0))
+    sequence_row = pl.BlockSpec((None, None, 1, n_pad), lambda h_, b_, x, y: (b_, h_, 0, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
     _, _, temperature, ec, eq, eb = options
-
-    def semantics(accumulates):
-        return (_PARALLEL,) + ((_ARBITRARY,) * 3 if accumulates else (_PARALLEL, _PARALLEL, _ARBITRARY))
-
-    def outputs(*items):
-        """(shapes, specs, scratch) of the outputs that are on, from items (on, an array like it, spec, scratch)."""
-        on = [item for item in items if item[0]]
-        return ([jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x, _, _ in on], [spec for _, _, spec, _ in on],
-                [scratch for _, _, _, scratch in on])
-
-    # dq, c2p's table gradient, the bias's and the temperature's per head (rows, like the log-sum-exp).
-    dq, *rest = _call(
-        _dq_kernel, shape, (h, b, n, shape.key_band), lambda i, j: (i, shape.key_tile(i, j)), inputs, tables,
-        *outputs((True, q, token, pltpu.VMEM((t, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
-                 (shape.bias, eb, pl.BlockSpec((None, 1, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0)),
-                  pltpu.VMEM((1, 2 * n_pad), jnp.float32)),
-                 (shape.temperature, lse, pl.BlockSpec((None, None, 1, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
-                  pltpu.VMEM((t, 1), jnp.float32))),
-        semantics(shape.c2p or shape.bias), resident="q", order=order)
-    d_ec, d_eb, dt = _pop(rest, shape.c2p, shape.bias, shape.temperature)
-    dk, dv, *d_eq = _call(
-        _dkv_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs, tables,
-        *outputs((True, k, token, pltpu.VMEM((t, d), jnp.float32)), (True, v, token, pltpu.VMEM((t, d), jnp.float32)),
-                 (shape.p2c, eq, whole_table, accumulator)),
-        semantics(shape.p2c), resident="k", order=order)
+    # (on, an array like the output, its spec, its float32 accumulator) in `_backward_kernel`'s order; the
+    # temperature's gradient per head is a row per sequence, like the log-sum-exp.
+    items = [(True, k, key_tile, pltpu.VMEM((t, d), jnp.float32)), (True, v, key_tile, pltpu.VMEM((t, d), jnp.float32)),
+             (True, q, sequence, pltpu.VMEM((n_pad, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
+             (shape.p2c, eq, whole_table, accumulator),
+             (shape.bias, eb, pl.BlockSpec((None, 1, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0)),
+              pltpu.VMEM((1, 2 * n_pad), jnp.float32)),
+             (shape.temperature, lse, sequence_row, pltpu.VMEM((1, n_pad), jnp.float32))]
+    on = [item for item in items if item[0]]
+    carried = [pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c)  # p2c's carried products and pending gradient
+    tables_accumulate = shape.c2p or shape.p2c or shape.bias
+    dk, dv, dq, *rest = _call(
+        _backward_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs,
+        tables, [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x, _, _ in on], [spec for _, _, spec, _ in on],
+        [scratch for _, _, _, scratch in on] + carried,
+        (_PARALLEL, _ARBITRARY if tables_accumulate else _PARALLEL, _ARBITRARY, _ARBITRARY), resident="k",
+        order=order)
+    d_ec, d_eq, d_eb, dt = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature)
     if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)
-    d_options = (None, None, dt, d_ec, d_eq[0] if d_eq else None, d_eb)
+    d_options = (None, None, dt, d_ec, d_eq, d_eb)
     return dq, dk, dv, None, d_options
 
 

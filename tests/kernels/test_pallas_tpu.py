@@ -176,7 +176,7 @@ def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 3e-6), (jnp.bfloat16, None)])
 def test_dropout_equals_the_dense_kernel_forward_and_backward(dtype, tolerance):
     """Attention dropout 0.3: the kernel drops the dense kernel's entries in the forward pass and regenerates them
-    in both backward kernels, so outputs and every gradient agree (37 positions in tiles of 16, padding). bfloat16:
+    in the backward kernel, so outputs and every gradient agree (37 positions in tiles of 16, padding). bfloat16:
     within twice the dense kernel's own error against float32 (observed f32 max error ~1e-6)."""
     dropout = dict(dropout_rate=0.3, dropout_key=jax.random.key(5))
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, dtype=dtype)
