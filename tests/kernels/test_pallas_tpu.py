@@ -2,11 +2,13 @@
 values, both projected relative tables, a per-distance bias and T5's table behind it, a temperature), c2p and p2c on
 and off, log buckets and exact distances, padding, lengths that are not a multiple of the tile, float32 and
 bfloat16, attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every
-windowed pair); and the model computes the same with it. Compiling it for TPUs is tested in
+windowed pair); and the model computes the same with it. The FLOPs each kernel reports to XLA are the products its
+traced body runs. Compiling it for TPUs is tested in
 test_pallas_tpu_compiles.py, the dropout mask under a sharded batch in test_pallas_tpu_sharded.py."""
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -290,3 +292,61 @@ def test_t5_table_gradient_with_every_option():
     want = outputs_and_grads(dense_attention)
     assert max_error(got, want) < 1e-5
     assert max_error(got[1][0], want[1][0]) < 1e-5 < float(jnp.max(jnp.abs(want[1][0])))
+
+
+def matrix_unit_flops(kernel_jaxpr) -> tuple[int, int]:
+    """(FLOPs of the `dot_general`s every grid step runs, those under a `pl.when`) in a Pallas kernel's jaxpr."""
+    every, conditional = 0, 0
+
+    def walk(jaxpr, under_when):
+        nonlocal every, conditional
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (contracted, _), _ = eqn.params["dimension_numbers"]
+                size = math.prod(eqn.invars[0].aval.shape[axis] for axis in contracted)
+                flops = 2 * math.prod(eqn.outvars[0].aval.shape) * size
+                if under_when:
+                    conditional += flops
+                else:
+                    every += flops
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        walk(inner, under_when or eqn.primitive.name == "cond")
+    walk(kernel_jaxpr, False)
+    return every, conditional
+
+
+def pallas_calls(jaxpr) -> dict:
+    """The Pallas calls in a program's jaxpr, by kernel name (each once: `platform_dependent` traces two)."""
+    calls = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls.setdefault(eqn.params["name"], eqn.params)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    for name, params in pallas_calls(inner).items():
+                        calls.setdefault(name, params)
+    return calls
+
+
+@pytest.mark.parametrize("terms_on,window", [(("c2p", "p2c"), 0), (("c2p", "p2c"), 12), (("c2p",), 0), (("p2c",), 0),
+                                             ((), 0)])
+def test_cost_estimate_counts_the_products_the_kernels_run(terms_on, window):
+    """The FLOPs each kernel reports to XLA's cost analysis (what the aot tables' TFLOP and rooflines add up) are
+    the matrix-unit products its body runs: those of every step times the grid's steps, plus those under a
+    `pl.when` (the position products' first half at the innermost axis' first step, p2c's pending gradient at
+    its last) once per pass over that axis. Counted from the traced kernels, forward and backward."""
+    terms, v, key_mask = table_inputs(terms_on, R // 2 if terms_on else 0)
+    terms = dataclasses.replace(terms, window=window)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda terms, v: jnp.sum(pallas_tpu_attention(terms, v, key_mask, tile=8)),
+                                    argnums=(0, 1)))(terms, v)
+    calls = pallas_calls(jaxpr.jaxpr)
+    assert sorted(calls) == ["backward_kernel", "forward_kernel"]
+    for params in calls.values():
+        grid = params["grid_mapping"].grid
+        every, conditional = matrix_unit_flops(params["jaxpr"])
+        assert params["cost_estimate"].flops == every * math.prod(grid) + conditional * math.prod(grid[:3])
