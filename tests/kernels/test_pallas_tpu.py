@@ -3,8 +3,8 @@ values, both projected relative tables, a per-distance bias and T5's table behin
 and off, log buckets and exact distances, padding, lengths that are not a multiple of the tile, float32 and
 bfloat16, attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every
 windowed pair); and the model computes the same with it. The FLOPs each kernel reports to XLA are the products its
-traced body runs. Compiling it for TPUs is tested in
-test_pallas_tpu_compiles.py, the dropout mask under a sharded batch in test_pallas_tpu_sharded.py."""
+traced body runs. Compiling it for TPUs is tested in test_pallas_tpu_compiles.py, the dropout mask under a sharded
+batch in test_pallas_tpu_sharded.py."""
 
 import dataclasses
 import functools
