@@ -80,7 +80,7 @@ flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
                   "Attention kernel of every model (default: each model's own): 'blockwise' keeps memory linear in "
                   "length (same results to float rounding), for lengths whose dense [B, H, N, N] scores do not fit; "
                   "'pallas' is blockwise fused into one GPU kernel, 'pallas_tpu' attention fused for TPUs (every "
-                  "variant and length method but window_global); both run in interpret mode, slowly, on other "
+                  "variant and length method); both run in interpret mode, slowly, on other "
                   "machines.")
 flags.DEFINE_integer("attention_block_size", None,
                      "Keys per block of the blockwise kernel (default: each model's own).")

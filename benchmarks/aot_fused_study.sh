@@ -2,8 +2,8 @@
 # DeBERTa-base with the fused TPU kernel as the study trains and scores it: attention dropout 0.1 (published; the
 # kernel draws it inside its tiles), train steps at 512 x 256, 2,048 x 64 and 8,192 x 16 tokens x rows on v5e-16
 # (mesh.fsdp=16) and v5p-8 (plain data parallelism, as results/aot), and the length study's forward at 8x the
-# 512-token training length as trained and under each length method the kernel runs (log_length, window,
-# interpolate_distances; window_global is refused by the fused kernels). Markdown rows in $OUT/table.md, records in
+# 512-token training length as trained and under each length method (log_length, window, window_global,
+# interpolate_distances). Markdown rows in $OUT/table.md, records in
 # $OUT/<slice>-<tokens>.json. Needs libtpu; nothing runs on a TPU.
 #
 #   bash benchmarks/aot_fused_study.sh [OUT]          # OUT defaults to results/aot-fused/study
@@ -27,7 +27,7 @@ for slice in v5e:4x4:16 v5p:2x2x2:1; do
   topology=${slice%:*} fsdp=${slice##*:}
   tag=${topology/:/-}
   aot "$tag-512" "$topology" "$fsdp" --programs=train,length --length_kernels=pallas_tpu \
-    --length_methods=log_length,window,interpolate_distances
+    --length_methods=log_length,window,window_global,interpolate_distances
   for tokens_rows in 2048:64 8192:16; do
     tokens=${tokens_rows%%:*}
     aot "$tag-$tokens" "$topology" "$fsdp" --programs=train --config.data.seq_len="$tokens" \

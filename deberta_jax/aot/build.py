@@ -171,7 +171,7 @@ def fit_hints(report: analysis.ProgramReport, config: config_dict.ConfigDict, tp
         hints.append(f"--config.train.batch_size={rows // 2} (now {rows}; evaluation batches have the training "
                      "batch's size).")
         return hints
-    if config.model.attention_kernel != "pallas_tpu" and not config.model.get("window_global_tokens", False):
+    if config.model.attention_kernel != "pallas_tpu":
         hints.append("--config.model.attention_kernel=pallas_tpu: the fused TPU kernel keeps no [B, H, N, N] scores "
                      "or probabilities for the backward pass (every variant, attention dropout included).")
     remat = config.model.remat

@@ -11,10 +11,9 @@ import jax
 from deberta_jax.kernels.blockwise import blockwise_attention
 from deberta_jax.kernels.dense import dense_attention
 
+# The fused kernels: `pallas` implements neither attention dropout nor the length-aware options (window,
+# temperature; `ModelConfig` refuses them with it); `pallas_tpu` implements both.
 KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu")
-# The fused kernels. `pallas` implements neither attention dropout nor the length-aware options (window,
-# temperature); `pallas_tpu` implements both.
-FUSED_KERNELS = ("pallas", "pallas_tpu")
 
 
 def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:

@@ -37,10 +37,13 @@ Attention dropout is drawn inside the kernels from hashes of the tile's query an
 whole batch): the dense kernel's mask, which the backward kernel draws again at any tile size.
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
-(the expansion reads the per-distance index), a per-distance bias, attention dropout, a temperature and a window.
+(the expansion reads the per-distance index), a per-distance bias, attention dropout, a temperature and a window
+with or without global keys.
 A query whose window holds no real key (a padding query) averages its band's keys where the dense kernel averages
-every key: its output is padding's, which no real token reads. A window's global keys (a row's first and last
-tokens, seen by every query) are refused with the fix: they lie in the tiles the band skips. On a TPU the kernels
+every key: its output is padding's, which no real token reads. A window's global keys (a row's first and last real
+tokens, seen by every query) lie in tiles the band skips: two per row, they are scored outside the kernel and merged
+into its softmax through its log-sum-exp (`_merge_global_keys`), which is why the call's log-sum-exp is a
+differentiable output. On a TPU the kernels
 are compiled by Mosaic (also when a program is compiled for a TPU from another machine, `deberta_jax.aot`);
 elsewhere Pallas interprets them (exact, slow: tests).
 """
@@ -156,6 +159,7 @@ def _dot_t(a, b):
 
 def _dot(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
 
 
 def _skew(per_distance, tile: int):
@@ -417,17 +421,19 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
         eb_acc[:, columns] += per_distance.sum(axis=0, keepdims=True)
     if shape.p2c:
         per_key = _unskew(ds.T, t)  # per (key, distance)
+        left, right = (_table_columns(shape, 1, query_tile, key_tile, offset=half, width=1) for half in (0, 1))
         merged = p2c_pending[...] + per_key[:, :t]
         p2c_pending[...] = per_key[:, t:]
-        dk = dk + _dot_t(merged.astype(eq_rows.dtype), eq_rows[:, :t])
-        eq_acc[:, _table_columns(shape, 1, query_tile, key_tile, width=1)] += _dot(k.T.astype(jnp.float32), merged)
+        dk = dk + _dot_t(merged.astype(options.eq.dtype), options.eq[:, left])
+        eq_acc[:, left] += _dot(k.T.astype(jnp.float32), merged)
 
         @pl.when(last_step)
         def _():
             rest = p2c_pending[...]
-            dk_sc[...] += _dot_t(rest.astype(eq_rows.dtype), eq_rows[:, t:])
-            eq_acc[:, _table_columns(shape, 1, query_tile, key_tile, offset=1, width=1)] += _dot(
-                k.T.astype(jnp.float32), rest)
+            dk_sc[...] += _dot_t(rest.astype(options.eq.dtype), options.eq[:, right])
+            # `(rest.T @ k).T`, not `k.T @ rest`: with `k.T` feeding a product here and the one above, libtpu
+            # 0.0.42's compiler fails a check (mxu_lmr_transform) on some train steps.
+            eq_acc[:, right] += _dot(rest.T, k.astype(jnp.float32)).T
     rows = _query_rows(shape, query_tile)
     dq_sc[rows, :] = dq_sc[rows, :] + dq
     if shape.temperature:
@@ -565,19 +571,23 @@ def _forward(shape: KernelShape, q, k, v, mask, options):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(shape: KernelShape, q, k, v, mask, options):
-    return _forward(shape, q, k, v, mask, options)[0]
+    """(output, log-sum-exp `[B, H, 1, N]`), both differentiable: global keys merge into the call's softmax
+    through its log-sum-exp (`_merge_global_keys`)."""
+    return _forward(shape, q, k, v, mask, options)
 
 
 def _attention_fwd(shape, q, k, v, mask, options):
     out, lse = _forward(shape, q, k, v, mask, options)
-    return out, (q, k, v, mask, options, out, lse)
+    return (out, lse), (q, k, v, mask, options, out, lse)
 
 
-def _attention_bwd(shape: KernelShape, residuals, d_out):
+def _attention_bwd(shape: KernelShape, residuals, cotangents):
     q, k, v, mask, options, out, lse = residuals
+    d_out, d_lse = cotangents
     b, h, n_pad, d = q.shape
     t, n = shape.tile, shape.num_tiles
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :]
+    # The score gradient is p * (dp - delta); the log-sum-exp's cotangent adds p * d_lse (its gradient is p).
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
     inputs, tables = _inputs(shape, (q, k, v, mask, d_out, lse, delta),
                              (_TOKEN_Q, _TOKEN_K, _TOKEN_K, _MASK, _TOKEN_Q, _ROW_Q, _ROW_Q), options)
     # Heads outermost: a head's table gradient accumulates over its sequences and tile pairs, so only heads run
@@ -632,10 +642,6 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     batch, heads, length, _ = q.shape
     if k.shape[-2] != length:
         raise ValueError(f"attention_kernel='pallas_tpu' is self-attention: {length} queries but {k.shape[-2]} keys")
-    if terms.global_keys is not None and 0 < terms.window < length:
-        raise ValueError("attention_kernel='pallas_tpu' skips the key tiles outside every query's window, where a "
-                         "window's global keys (window_global_tokens) lie; use attention_kernel='dense' or "
-                         "'blockwise' with them")
     relative = terms.relative is not None
     dropout = dropout_key is not None and dropout_rate > 0
     shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
@@ -648,13 +654,13 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    query_hash = key_hash = temperature = ec = eq = eb = None
+    hashes = query_hash = key_hash = temperature = ec = eq = eb = None
     if dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
         positions = np.arange(shape.padded)
-        query_hash, key_hash = dropout_masks.attention_hashes(dropout_key, batch, heads, positions, positions)
-        query_hash = jnp.swapaxes(query_hash, -1, -2)  # a row per head, like the log-sum-exp
+        hashes = dropout_masks.attention_hashes(dropout_key, batch, heads, positions, positions)
+        query_hash, key_hash = jnp.swapaxes(hashes[0], -1, -2), hashes[1]  # a row per head, like the log-sum-exp
     if shape.temperature:  # `[B, 1 or H, N, 1]` -> a row per head (or for every head), like the log-sum-exp
         temperature = jnp.pad(jnp.swapaxes(terms.temperature.astype(jnp.float32), -1, -2),
                               [(0, 0), (0, 0), (0, 0), (0, pad)], constant_values=1.0)
@@ -675,6 +681,54 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
         attend = jax.shard_map(attend, mesh=mesh,
                                in_specs=(rows, rows, rows, rows, (rows, rows, rows, whole, whole, whole)),
-                               out_specs=rows, check_vma=False)
-    out = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq, eb))
-    return out[:, :, :length]
+                               out_specs=(rows, rows), check_vma=False)
+    out, lse = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq, eb))
+    out = out[:, :, :length]
+    if terms.global_keys is not None and shape.window:
+        out = _merge_global_keys(terms, v, out, lse[:, :, 0, :length], shape, hashes)
+    return out
+
+
+def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashes):
+    """The output with each row's global keys outside a query's window added to its softmax (a window's global
+    keys, seen by every query, sit in tiles the kernel's band skips: its first and last marked keys, which is
+    what `positions.global_keys` marks).
+
+    Two keys per row are `O(N)` work in plain JAX: their scores by the score formula (`combine_scores`; the
+    position terms from the table rows of each query's distance to them), dropout from the same hashes, and one
+    more softmax block merged into the kernel's by log-sum-exp, as split-key attention merges blocks. Their
+    gradients come from autodiff, the kernel's through its log-sum-exp."""
+    marked = terms.global_keys[:, 0]
+    n = marked.shape[-1]
+    keys = jnp.stack([jnp.argmax(marked, axis=-1), n - 1 - jnp.argmax(marked[:, ::-1], axis=-1)], axis=-1)  # [B, 2]
+    real = jnp.take_along_axis(marked, keys, axis=-1) & jnp.concatenate(
+        [jnp.ones_like(keys[:, :1], bool), keys[:, :1] != keys[:, 1:]], axis=-1)  # a row's one marked key once
+    start = jnp.asarray(window_starts(n, n, shape.window))[None, :, None]
+    outside = (keys[:, None, :] < start) | (keys[:, None, :] >= start + shape.window)  # [B, N, 2]
+    visible = (real[:, None, :] & outside)[:, None]  # [B, 1, N, 2]
+
+    k, values = (jnp.take_along_axis(x, keys[:, None, :, None], axis=2) for x in (terms.k, v))  # [B, H, 2, d]
+    distance = jnp.arange(n)[None, :, None] - keys[:, None, :] + n - 1  # [B, N, 2], `scores.distances` order
+    relative = 0.0
+    if shape.c2p or shape.p2c:
+        row = jnp.asarray(terms.relative.by_distance)[distance]
+        if shape.c2p:
+            relative = relative + jnp.einsum("bhid,hbigd->bhig", terms.q, terms.pos_key[:, row])
+        if shape.p2c:
+            relative = relative + jnp.einsum("bhgd,hbigd->bhig", k, terms.pos_query[:, row])
+    bias = jnp.moveaxis(terms.bias[:, distance], 0, 1) if shape.bias else None
+    scores = combine_scores(jnp.einsum("bhid,bhgd->bhig", terms.q, k), relative, bias, shape.divisor,
+                            terms.temperature).astype(jnp.float32)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    window_lse = lse[..., None]
+    top = jax.lax.stop_gradient(jnp.maximum(window_lse, scores.max(axis=-1, keepdims=True)))
+    total = top + jnp.log(jnp.exp(window_lse - top) + jnp.exp(scores - top).sum(axis=-1, keepdims=True))
+    p = jnp.exp(scores - total)
+    if shape.dropout:
+        query_hash, key_hash = hashes
+        keep = dropout_masks.attention_keep(query_hash[:, :, :n], jnp.take_along_axis(
+            key_hash, keys[:, None, None, :], axis=-1), shape.dropout_rate)
+        p = dropout_masks.apply(p, keep, shape.dropout_rate)
+    merged = jnp.exp(window_lse - total) * out.astype(jnp.float32) + jnp.einsum(
+        "bhig,bhgd->bhid", p, values.astype(jnp.float32))
+    return merged.astype(out.dtype)

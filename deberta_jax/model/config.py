@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from deberta_jax.kernels.dispatch import FUSED_KERNELS, KERNELS
+from deberta_jax.kernels.dispatch import KERNELS
 
 ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
 # The variants that add a bias per distance to the scores.
@@ -391,10 +391,6 @@ class ModelConfig:
         if self.window_global_tokens and not self.attention_window:
             _fail("window_global_tokens", self.window_global_tokens,
                   "keeps a row's first and last tokens visible to every query of a window; set attention_window too")
-        if self.window_global_tokens and self.attention_kernel in FUSED_KERNELS:
-            _fail("attention_kernel", self.attention_kernel,
-                  "the fused Pallas kernels skip the key tiles outside every window and have no global tokens; "
-                  "use attention_kernel='dense' or 'blockwise' with window_global_tokens")
         if self.attention_window < 0 or self.attention_window == 1:
             _fail("attention_window", self.attention_window,
                   "use 0 (every key) or the number of positions each query sees, >= 2 (e.g. the training length)")

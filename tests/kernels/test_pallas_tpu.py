@@ -106,15 +106,11 @@ def test_expanded_tables_read_every_distance_in_place():
 
 
 def test_refuses_what_it_does_not_implement():
-    """The kernel reads DeBERTa's projected tables, not the c2p products (what the blockwise kernel takes), and has
-    no global keys beside a window (its band skips their tiles)."""
+    """The kernel reads DeBERTa's projected tables, not the c2p products (what the blockwise kernel takes)."""
     terms, v, key_mask = table_inputs(("c2p",), R // 2)
     products = dataclasses.replace(terms, c2p=jnp.einsum("bhid,hrd->bhir", terms.q, terms.pos_key), pos_key=None)
     with pytest.raises(ValueError, match="projected tables"):
         pallas_tpu_attention(products, v, key_mask)
-    global_keys = dataclasses.replace(terms, window=8, global_keys=positions.global_keys(key_mask))
-    with pytest.raises(ValueError, match="window_global_tokens"):
-        pallas_tpu_attention(global_keys, v, key_mask)
 
 
 def test_config_accepts_every_scheme_and_length_method_with_the_tpu_kernel():
@@ -122,25 +118,30 @@ def test_config_accepts_every_scheme_and_length_method_with_the_tpu_kernel():
         ModelConfig(attention=attention, attention_kernel="pallas_tpu")
     ModelConfig(attention_kernel="pallas_tpu", attention_window=16, attention_temperature="log_length",
                 trained_length=16)
+    ModelConfig(attention_kernel="pallas_tpu", attention_window=16, window_global_tokens=True)
     with pytest.raises(ConfigError, match="attention_window"):
         ModelConfig(attention_kernel="pallas", attention_window=16)
 
 
-@pytest.mark.parametrize("attention,temperature", [("disentangled", "log_length"), ("t5_bias", "learned")])
-def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, temperature):
+@pytest.mark.parametrize("attention,options", [
+    ("disentangled", dict(attention_temperature="log_length")),
+    ("t5_bias", dict(attention_temperature="learned")),
+    ("disentangled", dict(window_global_tokens=True)),
+])
+def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, options):
     """DeBERTa with EMD (re-applying its one layer), separate position projections and log buckets, and T5's bias
     (its table's gradient through the kernel's), training with dropout as published (0.1, attention and hidden; one
     dropout seed, so each attention call draws the same key with either kernel), with both length methods (a
-    window of 24 over 40 tokens; the log-length temperature of a model trained at 16, or a learned one, whose
-    slope per head gets its gradient through the kernel's temperature gradient): logits and every parameter's
-    gradient agree."""
+    window of 24 over 40 tokens, with each row's ends as global keys or without; the log-length temperature of a
+    model trained at 16, or a learned one, whose slope per head gets its gradient through the kernel's temperature
+    gradient): logits and every parameter's gradient agree."""
     from flax import nnx
 
     from deberta_jax.model.encoder import MaskedLM
     base = dict(attention=attention, vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                 max_position_embeddings=64, position_buckets=8, max_relative_positions=16, share_att_key=False,
-                emd_layers=1, hidden_dropout=0.1, attention_dropout=0.1, attention_window=24,
-                attention_temperature=temperature, trained_length=16)
+                emd_layers=1, hidden_dropout=0.1, attention_dropout=0.1, attention_window=24, trained_length=16,
+                **options)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 40)))
     mask = jnp.ones((2, 40), jnp.int32).at[1, 31:].set(0)
     results = []
@@ -258,6 +259,39 @@ def test_windowed_tile_pairs_grow_as_length_times_window():
     assert [shape.query_band for shape in pairs.values()] == [3, 3]
     assert KernelShape(16384, 128, 1.0, True, True, window=512).key_band == 5
     assert KernelShape(16384, 128, 1.0, True, True).key_band == 128
+
+
+@pytest.mark.parametrize("window,tile", [(5, 8), (12, 16)])
+def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, tile):
+    """A window's global keys (each row's first and last real tokens, seen by every query; `window_global_tokens`)
+    beside DeBERTa's two position terms, T5's bias, a temperature per head and dropout 0.2, 37 positions with
+    padding (the last row's closing key at 28), and a third row with one real token (its one global key counted
+    once): outputs at real queries and every gradient equal the dense kernel's (observed up to 6e-6). Windows of 5 and
+    12 leave the global keys outside most queries' windows and inside the nearest ones' (counted once there)."""
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, b=3)
+    key_mask = key_mask.at[2, 1:].set(0)
+    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (3, H, 37, 1)), jnp.float32)
+    terms = dataclasses.replace(terms, temperature=temperature, window=window)
+    table = jnp.asarray(np.random.default_rng(2).normal(size=(8, H)), jnp.float32)
+    real = key_mask[:, None, :, None] > 0
+    cotangent = jnp.where(real, jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32), 0.0)
+
+    marked = positions.global_keys(key_mask)
+
+    def outputs_and_grads(kernel, global_keys=marked):
+        def loss(table, terms, v):
+            biased = dataclasses.replace(terms, bias=positions.t5_bias(table, 37, 37, 20), global_keys=global_keys)
+            out = kernel(biased, v, key_mask, dropout_rate=0.2, dropout_key=jax.random.key(1))
+            return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(table, terms, v)
+    got = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=tile))
+    want = outputs_and_grads(dense_attention)
+    without = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=tile), global_keys=None)
+    (loss, out), grads = got
+    (want_loss, want_out), want_grads = want
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)  # a sum of 1,776 outputs: observed 1.4e-6
+    assert max_error((out, grads), (want_out, want_grads)) < 1e-5
+    assert max_error(without[0][1], want_out) > 1e-2  # the global keys matter to these outputs
 
 
 def test_alibi_bias_equals_the_dense_kernel():

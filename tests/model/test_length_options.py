@@ -241,7 +241,6 @@ def test_rope_interpolation_rotates_by_the_scaled_positions():
     (dict(attention_kernel="pallas", attention_window=16), "attention_kernel"),
     (dict(attention_kernel="pallas", attention_temperature="log_length"), "attention_kernel"),
     (dict(window_global_tokens=True), "window_global_tokens"),
-    (dict(attention_kernel="pallas_tpu", attention_window=16, window_global_tokens=True), "attention_kernel"),
 ])
 def test_bad_length_options_are_refused_naming_the_field(fields, name):
     with pytest.raises(ConfigError, match=f"model.{name}="):
