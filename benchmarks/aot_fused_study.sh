@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # DeBERTa-base with the fused TPU kernel as the study trains and scores it: attention dropout 0.1 (published; the
 # kernel draws it inside its tiles), train steps at 512 x 256, 2,048 x 64 and 8,192 x 16 tokens x rows on v5e-16
-# (mesh.fsdp=16) and v5p-8 (plain data parallelism, as results/aot), and the length study's forward at 8x the
-# 512-token training length as trained and under each length method (log_length, window, window_global,
-# interpolate_distances). Markdown rows in $OUT/table.md, records in
-# $OUT/<slice>-<tokens>.json. Needs libtpu; nothing runs on a TPU.
+# (mesh.fsdp=16) and v5p-8 (plain data parallelism, as results/aot), BERT-base's on v5e-16 with the same kernel for
+# comparison, and the length study's forward at 8x the 512-token training length as trained and under each length
+# method (log_length, window, window_global, interpolate_distances). Markdown rows in $OUT/table.md, records in
+# $OUT/[bert-]<slice>-<tokens>-train.json and $OUT/<slice>-length.json. Needs libtpu; nothing runs on a TPU; about
+# 40 minutes of one CPU core.
 #
 #   bash benchmarks/aot_fused_study.sh [OUT]          # OUT defaults to results/aot-fused/study
 set -euo pipefail
@@ -14,10 +15,10 @@ PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 export JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1
 
-aot() {  # aot NAME TOPOLOGY FSDP ARGS...
-  local name=$1 topology=$2 fsdp=$3
-  shift 3
-  "$PY" -m deberta_jax.aot --config configs/deberta.py:base --topology "$topology" --config.mesh.fsdp="$fsdp" \
+aot() {  # aot NAME FAMILY TOPOLOGY FSDP ARGS...
+  local name=$1 family=$2 topology=$3 fsdp=$4
+  shift 4
+  "$PY" -m deberta_jax.aot --config "configs/$family.py:base" --topology "$topology" --config.mesh.fsdp="$fsdp" \
     --config.model.dtype=bfloat16 --config.model.attention_kernel=pallas_tpu --config.model.attention_dropout=0.1 \
     --format markdown --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md" \
     && { echo "$name done"; rm "$OUT/$name.log"; } || echo "$name FAILED: see $OUT/$name.log"
@@ -26,14 +27,20 @@ aot() {  # aot NAME TOPOLOGY FSDP ARGS...
 for slice in v5e:4x4:16 v5p:2x2x2:1; do
   topology=${slice%:*} fsdp=${slice##*:}
   tag=${topology/:/-}
-  aot "$tag-512" "$topology" "$fsdp" --programs=train,length --length_kernels=pallas_tpu \
-    --length_methods=log_length,window,window_global,interpolate_distances
-  for tokens_rows in 2048:64 8192:16; do
+  families="deberta"
+  [ "$topology" = v5e:4x4 ] && families="deberta bert"
+  for tokens_rows in 512:256 2048:64 8192:16; do
     tokens=${tokens_rows%%:*}
-    aot "$tag-$tokens" "$topology" "$fsdp" --programs=train --config.data.seq_len="$tokens" \
-      --config.model.max_position_embeddings="$tokens" --config.train.batch_size="${tokens_rows##*:}"
+    for family in $families; do
+      prefix=$([ "$family" = bert ] && echo "bert-" || true)
+      aot "$prefix$tag-$tokens-train" "$family" "$topology" "$fsdp" --programs=train --config.data.seq_len="$tokens" \
+        --config.model.max_position_embeddings="$tokens" --config.train.batch_size="${tokens_rows##*:}"
+    done
   done
+  aot "$tag-length" deberta "$topology" "$fsdp" --programs=length --length_kernels=pallas_tpu \
+    --length_methods=log_length,window,window_global,interpolate_distances
 done
-{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
-  > "$OUT/table.md"
-rm "$OUT"/*-*.md
+{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*.md; } \
+  > "$OUT/table.md.tmp"
+rm "$OUT"/*.md
+mv "$OUT/table.md.tmp" "$OUT/table.md"

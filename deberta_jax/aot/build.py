@@ -111,8 +111,7 @@ def _compile_length_forward(model_config: ModelConfig, kernel: str, method: str 
     try:
         cfg = length_forward_config(model_config, kernel, method)
     except ConfigError as err:
-        # What a kernel cannot run: a window's global tokens with either fused kernel, a window or a temperature
-        # with the GPU kernel.
+        # What a kernel cannot run: a window or a temperature with the GPU kernel.
         return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=str(err))
     if cfg is None:
         return analysis.ProgramReport(name, tpu.chip, 1, 0, 0.0, 0.0, error=(
