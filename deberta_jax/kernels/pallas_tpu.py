@@ -695,9 +695,9 @@ def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashe
     what `positions.global_keys` marks).
 
     Two keys per row are `O(N)` work in plain JAX: their scores by the score formula (`combine_scores`; the
-    position terms from the table rows of each query's distance to them), dropout from the same hashes, and one
-    more softmax block merged into the kernel's by log-sum-exp, as split-key attention merges blocks. Their
-    gradients come from autodiff, the kernel's through its log-sum-exp."""
+    position terms from the table rows of each query's distance to them, `_global_position_terms`), dropout from
+    the same hashes, and one more softmax block merged into the kernel's by log-sum-exp, as split-key attention
+    merges blocks. Their gradients come from autodiff, the kernel's through its log-sum-exp."""
     marked = terms.global_keys[:, 0]
     n = marked.shape[-1]
     keys = jnp.stack([jnp.argmax(marked, axis=-1), n - 1 - jnp.argmax(marked[:, ::-1], axis=-1)], axis=-1)  # [B, 2]
@@ -711,11 +711,7 @@ def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashe
     distance = jnp.arange(n)[None, :, None] - keys[:, None, :] + n - 1  # [B, N, 2], `scores.distances` order
     relative = 0.0
     if shape.c2p or shape.p2c:
-        row = jnp.asarray(terms.relative.by_distance)[distance]
-        if shape.c2p:
-            relative = relative + jnp.einsum("bhid,hbigd->bhig", terms.q, terms.pos_key[:, row])
-        if shape.p2c:
-            relative = relative + jnp.einsum("bhgd,hbigd->bhig", k, terms.pos_query[:, row])
+        relative = jnp.stack([_global_position_terms(terms, shape, k[:, :, g], keys[:, g]) for g in range(2)], -1)
     bias = jnp.moveaxis(terms.bias[:, distance], 0, 1) if shape.bias else None
     scores = combine_scores(jnp.einsum("bhid,bhgd->bhig", terms.q, k), relative, bias, shape.divisor,
                             terms.temperature).astype(jnp.float32)
@@ -732,3 +728,36 @@ def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashe
     merged = jnp.exp(window_lse - total) * out.astype(jnp.float32) + jnp.einsum(
         "bhig,bhgd->bhid", p, values.astype(jnp.float32))
     return merged.astype(out.dtype)
+
+
+
+def _global_position_terms(terms: ScoreTerms, shape: KernelShape, k, key):
+    """c2p + p2c `[B, H, N]` of every query with one global key per row (`k` `[B, H, d]` at positions `key` `[B]`).
+
+    Past some distance each way the relative index is constant (the outermost bucket, or the clipped row), so the
+    terms of the queries that far from the key are one product with that row; only the band of queries nearer
+    than that reads a row per query (a slice of the queries and a gather of the table rows, `[H, B, band, d]`), as
+    `scores.banded_relative_terms` does for blocks of keys. Without such distances the band is every query."""
+    rel = terms.relative.by_distance
+    n = terms.q.shape[-2]
+    distance = np.arange(-(n - 1), n)
+    below_top, above_bottom = np.flatnonzero(rel != rel[-1]), np.flatnonzero(rel != rel[0])
+    d_hi, d_lo = (distance[below_top[-1] + 1], distance[above_bottom[0] - 1]) if below_top.size else (n, -n)
+    width = int(min(n, d_hi - d_lo - 1))
+    start = jnp.clip(key + d_lo + 1, 0, n - width)  # the band: queries i with d_lo < i - key < d_hi
+
+    def cut(x):  # [B, H, N, ...] -> the band's [B, H, width, ...], per row
+        return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, width, axis=1))(x, start)
+    rows = jnp.asarray(rel)[start[:, None] + jnp.arange(width) - key[:, None] + n - 1]  # [B, width]
+    far = jnp.arange(n)[None, None, :] - key[:, None, None] >= d_hi  # [B, 1, N]: past the band's high end
+    terms_far, terms_band = 0.0, 0.0
+    if shape.c2p:
+        ends = jnp.einsum("bhid,hed->bhie", terms.q, terms.pos_key[:, np.asarray([rel[0], rel[-1]])])
+        terms_far = terms_far + jnp.where(far, ends[..., 1], ends[..., 0])
+        terms_band = terms_band + jnp.einsum("bhwd,hbwd->bhw", cut(terms.q), terms.pos_key[:, rows])
+    if shape.p2c:
+        ends = jnp.einsum("bhd,hed->bhe", k, terms.pos_query[:, np.asarray([rel[0], rel[-1]])])
+        terms_far = terms_far + jnp.where(far, ends[..., 1:], ends[..., :1])
+        terms_band = terms_band + jnp.einsum("bhd,hbwd->bhw", k, terms.pos_query[:, rows])
+    terms_far = jnp.broadcast_to(terms_far, terms.q.shape[:3]).astype(jnp.result_type(terms_band))
+    return jax.vmap(lambda f, b, s: jax.lax.dynamic_update_slice_in_dim(f, b, s, axis=1))(terms_far, terms_band, start)

@@ -265,12 +265,13 @@ def test_windowed_tile_pairs_grow_as_length_times_window():
 def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, tile):
     """A window's global keys (each row's first and last real tokens, seen by every query; `window_global_tokens`)
     beside DeBERTa's two position terms, T5's bias, a temperature per head and dropout 0.2, 37 positions with
-    padding (the last row's closing key at 28), and a third row with one real token (its one global key counted
-    once): outputs at real queries and every gradient equal the dense kernel's (observed up to 6e-6). Windows of 5 and
-    12 leave the global keys outside most queries' windows and inside the nearest ones' (counted once there)."""
-    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, b=3)
+    padding (the last row's closing key at 28, away from the sequence's end, so the band of queries whose distance
+    to it reads its own table row is not clipped), and a row with one real token (its one global key counted once):
+    outputs at real queries and every gradient equal the dense kernel's (observed up to 6e-6). Windows of 5 and 12
+    leave the global keys outside most queries' windows and inside the nearest ones' (counted once there)."""
+    terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, b=4)
     key_mask = key_mask.at[2, 1:].set(0)
-    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (3, H, 37, 1)), jnp.float32)
+    temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (4, H, 37, 1)), jnp.float32)
     terms = dataclasses.replace(terms, temperature=temperature, window=window)
     table = jnp.asarray(np.random.default_rng(2).normal(size=(8, H)), jnp.float32)
     real = key_mask[:, None, :, None] > 0
@@ -289,7 +290,7 @@ def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, til
     without = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=tile), global_keys=None)
     (loss, out), grads = got
     (want_loss, want_out), want_grads = want
-    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)  # a sum of 1,776 outputs: observed 1.4e-6
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)  # a sum of 2,368 outputs: observed ~1.4e-6
     assert max_error((out, grads), (want_out, want_grads)) < 1e-5
     assert max_error(without[0][1], want_out) > 1e-2  # the global keys matter to these outputs
 
