@@ -38,14 +38,13 @@ whole batch): the dense kernel's mask, which the backward kernel draws again at 
 
 Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c each optional, any bucketing
 (the expansion reads the per-distance index), a per-distance bias, attention dropout, a temperature and a window
-with or without global keys.
-A query whose window holds no real key (a padding query) averages its band's keys where the dense kernel averages
-every key: its output is padding's, which no real token reads. A window's global keys (a row's first and last real
-tokens, seen by every query) lie in tiles the band skips: two per row, they are scored outside the kernel and merged
-into its softmax through its log-sum-exp (`_merge_global_keys`), which is why the call's log-sum-exp is a
-differentiable output. On a TPU the kernels
-are compiled by Mosaic (also when a program is compiled for a TPU from another machine, `deberta_jax.aot`);
-elsewhere Pallas interprets them (exact, slow: tests).
+with or without global keys. A query whose window holds no real key (a padding query) averages its band's keys
+where the dense kernel averages every key: its output is padding's, which no real token reads. A window's global
+keys (a row's first and last real tokens, seen by every query) lie in tiles the band skips: two per row, they are
+scored outside the kernel and merged into its softmax through its log-sum-exp (`_merge_global_keys`), which is why
+the call's log-sum-exp is a differentiable output. On a TPU the kernels are compiled by Mosaic (also when a program
+is compiled for a TPU from another machine, `deberta_jax.aot`); elsewhere Pallas interprets them (exact, slow:
+tests).
 """
 
 from __future__ import annotations
@@ -159,7 +158,6 @@ def _dot_t(a, b):
 
 def _dot(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
 
 
 def _skew(per_distance, tile: int):
@@ -409,11 +407,11 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
     dq = _dot(ds.astype(k.dtype), k)
     dk = _dot(ds.T.astype(q.dtype), q)
-    ec_rows, eq_rows, _ = _table_rows(shape, options, query_tile, key_tile)
     if shape.c2p or shape.bias:
         per_distance = _unskew(d_scores, t)  # the scores' gradient per (query, distance)
         columns = _table_columns(shape, -1, query_tile, key_tile)
     if shape.c2p:
+        ec_rows = options.ec[:, columns]
         per_distance_raw = per_distance / shape.divisor
         dq = dq + _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
         ec_acc[:, columns] += _dot(q.T.astype(jnp.float32), per_distance_raw)

@@ -25,10 +25,11 @@ def no_persistent_cache():
 
 
 @functools.cache
-def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, temperature=True, window=0):
+def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate=0.1, temperature=True, window=0,
+                    global_keys=False):
     """The compiled value and gradients (every input) of one DeBERTa attention call on one chip of `topology`, with
-    a per-distance bias, attention dropout, a temperature per query and head (a learned one's shape) and a
-    window with global keys. Each program is compiled once per module (the tests below share one)."""
+    a per-distance bias, attention dropout, a temperature per query and head (a learned one's shape), a window
+    and, `global_keys`, each row's ends seen by every query. Each program is compiled once per module."""
     device = SingleDeviceSharding(tpu_slice(topology).devices[0])
     spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)  # noqa: E731
     rel = positions.relative_index_by_distance(n, n, position_buckets=32, max_relative_positions=64)
@@ -38,7 +39,7 @@ def compile_for_tpu(topology, n, heads=2, d=64, dtype=jnp.bfloat16, dropout_rate
                        temperature=spec(1, heads, n, 1, dtype=jnp.float32) if temperature else None)
 
     def loss(terms, v, key_mask):
-        if window:
+        if global_keys:
             terms = dataclasses.replace(terms, global_keys=positions.global_keys(key_mask))
         out = pallas_tpu_attention(terms, v, key_mask, dropout_rate=dropout_rate,
                                    dropout_key=jax.random.key(0) if dropout_rate else None)
@@ -53,8 +54,8 @@ def test_every_option_compiles_for_tpus(topology):
     dropout 0.1 (the hashes' int32 multiplies, xors and logical shifts inside the kernels), a temperature per head
     (its gradient's row reductions) and a window of 64 over 1,024 positions (index maps that compute the key tile
     from the query tile, the window's mask from the tile's iotas) with global keys (merged by the kernel's
-    log-sum-exp); on v5e the program the next test measures."""
-    assert compile_for_tpu(topology, 1024, window=64) is not None
+    log-sum-exp)."""
+    assert compile_for_tpu(topology, 1024, window=64, global_keys=True) is not None
 
 
 def test_a_windowed_call_costs_length_times_window():
