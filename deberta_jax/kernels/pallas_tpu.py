@@ -61,7 +61,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from deberta_jax.kernels import dropout_masks
-from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, window_starts
+from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, row_ends, saturation, window_starts
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
 # the matrix unit (128 x 128 on v5e) runs full tiles.
@@ -698,7 +698,7 @@ def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashe
     merges blocks. Their gradients come from autodiff, the kernel's through its log-sum-exp."""
     marked = terms.global_keys[:, 0]
     n = marked.shape[-1]
-    keys = jnp.stack([jnp.argmax(marked, axis=-1), n - 1 - jnp.argmax(marked[:, ::-1], axis=-1)], axis=-1)  # [B, 2]
+    keys = jnp.stack(row_ends(marked), axis=-1)  # [B, 2]
     real = jnp.take_along_axis(marked, keys, axis=-1) & jnp.concatenate(
         [jnp.ones_like(keys[:, :1], bool), keys[:, :1] != keys[:, 1:]], axis=-1)  # a row's one marked key once
     start = jnp.asarray(window_starts(n, n, shape.window))[None, :, None]
@@ -728,7 +728,6 @@ def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashe
     return merged.astype(out.dtype)
 
 
-
 def _global_position_terms(terms: ScoreTerms, shape: KernelShape, k, key):
     """c2p + p2c `[B, H, N]` of every query with one global key per row (`k` `[B, H, d]` at positions `key` `[B]`).
 
@@ -738,10 +737,8 @@ def _global_position_terms(terms: ScoreTerms, shape: KernelShape, k, key):
     `scores.banded_relative_terms` does for blocks of keys. Without such distances the band is every query."""
     rel = terms.relative.by_distance
     n = terms.q.shape[-2]
-    distance = np.arange(-(n - 1), n)
-    below_top, above_bottom = np.flatnonzero(rel != rel[-1]), np.flatnonzero(rel != rel[0])
-    d_hi, d_lo = (distance[below_top[-1] + 1], distance[above_bottom[0] - 1]) if below_top.size else (n, -n)
-    width = int(min(n, d_hi - d_lo - 1))
+    d_hi, d_lo = saturation(rel, n, n) or (n, -n)
+    width = min(n, d_hi - d_lo - 1)
     start = jnp.clip(key + d_lo + 1, 0, n - width)  # the band: queries i with d_lo < i - key < d_hi
 
     def cut(x):  # [B, H, N, ...] -> the band's [B, H, width, ...], per row

@@ -89,6 +89,13 @@ def in_window(query_len: int, key_len: int, window: int, key_positions):
     return lib.logical_and(key_positions[None, :] >= start, key_positions[None, :] < start + window)
 
 
+def row_ends(mask) -> tuple[jax.Array, jax.Array]:
+    """Each row's first and last marked positions (`[B]` each) of a `[B, N]` mask: a packed row's [CLS] and
+    closing [SEP] for a key mask, a window's global keys for `ScoreTerms.global_keys`."""
+    mask = jnp.asarray(mask).astype(bool)
+    return jnp.argmax(mask, axis=-1), mask.shape[-1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+
+
 def mask_keys(scores, real, in_range=None):
     """Masked keys (`real` False) score `NEG_INF`; keys outside the sequence (`in_range` False) score -inf.
 
@@ -274,6 +281,17 @@ def shifted_relative_terms(q: jax.Array, k: jax.Array, pos_key: jax.Array | None
     return terms
 
 
+def saturation(rel_index: np.ndarray, query_len: int, key_len: int) -> tuple[int, int] | None:
+    """(d_hi, d_lo): the relative index (`RelativeIndex.by_distance` order) is `rel_index[-1]` for every distance
+    `i - j >= d_hi` and `rel_index[0]` for every `i - j <= d_lo` (the clamped outermost buckets, or the clipped
+    rows), so only the pairs between read a row of their own; None when the index is the same at every distance."""
+    distance = distances(query_len, key_len)
+    not_hi, not_lo = np.flatnonzero(rel_index != rel_index[-1]), np.flatnonzero(rel_index != rel_index[0])
+    if not not_hi.size:
+        return None
+    return int(distance[not_hi[-1] + 1]), int(distance[not_lo[0] - 1])
+
+
 def banded_relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, rel_index: np.ndarray,
                           key_positions, key_len: int) -> jax.Array | float:
     """`relative_terms` of every query against a block of consecutive keys, gathering only near the diagonal.
@@ -289,12 +307,10 @@ def banded_relative_terms(c2p: jax.Array | None, p2c: jax.Array | None, rel_inde
         return 0.0
     n_q = rel_index.shape[0] - key_len + 1
     block = key_positions.shape[0]
-    distance = distances(n_q, key_len)
-    not_hi, not_lo = np.flatnonzero(rel_index != rel_index[-1]), np.flatnonzero(rel_index != rel_index[0])
+    ends = saturation(rel_index, n_q, key_len)
     width = n_q  # no band when the index is the same at every distance
-    if not_hi.size:
-        # The index is rel_index[-1] for i - j >= d_hi and rel_index[0] for i - j <= d_lo.
-        d_hi, d_lo = int(distance[not_hi[-1] + 1]), int(distance[not_lo[0] - 1])
+    if ends:
+        d_hi, d_lo = ends
         width = block + d_hi - d_lo - 2
     if isinstance(key_positions, np.ndarray) or width >= n_q:
         return relative_terms(c2p, p2c, toeplitz(rel_index, np.arange(n_q), key_positions, key_len))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deberta_jax.kernels.scores import distances, toeplitz, window_starts
+from deberta_jax.kernels.scores import distances, row_ends, toeplitz, window_starts
 
 
 def log_bucket_position(rel: np.ndarray, position_buckets: int, max_position: int) -> np.ndarray:
@@ -81,12 +81,6 @@ def scaled_distances(query_len: int, key_len: int, scale: float) -> np.ndarray:
     """`distances` times `scale`, rounded to the nearest integer (the distances themselves at scale 1)."""
     rel = distances(query_len, key_len)
     return rel if scale == 1.0 else np.rint(rel * scale).astype(np.int32)
-
-
-def row_ends(key_mask) -> tuple[jax.Array, jax.Array]:
-    """Each row's first and last real positions (`[B]` each): a packed row's [CLS] and closing [SEP]."""
-    mask = jnp.asarray(key_mask).astype(bool)
-    return jnp.argmax(mask, axis=-1), mask.shape[-1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
 
 
 def global_keys(key_mask) -> jax.Array:

@@ -329,6 +329,15 @@ def test_t5_table_gradient_with_every_option():
     assert max_error(got[1][0], want[1][0]) < 1e-5 < float(jnp.max(jnp.abs(want[1][0])))
 
 
+def inner_jaxprs(eqn):
+    """The jaxprs nested in an equation's parameters (a `cond`'s branches, a `pjit`'s body, a Pallas kernel)."""
+    for param in eqn.params.values():
+        for inner in param if isinstance(param, (list, tuple)) else [param]:
+            inner = getattr(inner, "jaxpr", inner)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
 def matrix_unit_flops(kernel_jaxpr) -> tuple[int, int]:
     """(FLOPs of the `dot_general`s every grid step runs, those under a `pl.when`) in a Pallas kernel's jaxpr."""
     every, conditional = 0, 0
@@ -344,11 +353,8 @@ def matrix_unit_flops(kernel_jaxpr) -> tuple[int, int]:
                     conditional += flops
                 else:
                     every += flops
-            for param in eqn.params.values():
-                for inner in param if isinstance(param, (list, tuple)) else [param]:
-                    inner = getattr(inner, "jaxpr", inner)
-                    if hasattr(inner, "eqns"):
-                        walk(inner, under_when or eqn.primitive.name == "cond")
+            for inner in inner_jaxprs(eqn):
+                walk(inner, under_when or eqn.primitive.name == "cond")
     walk(kernel_jaxpr, False)
     return every, conditional
 
@@ -359,12 +365,9 @@ def pallas_calls(jaxpr) -> dict:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             calls.setdefault(eqn.params["name"], eqn.params)
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    for name, params in pallas_calls(inner).items():
-                        calls.setdefault(name, params)
+        for inner in inner_jaxprs(eqn):
+            for name, params in pallas_calls(inner).items():
+                calls.setdefault(name, params)
     return calls
 
 
