@@ -15,6 +15,13 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
   queries, transposed. A per-distance bias (ALiBi's, T5's table read per bucket) is expanded like the position
   keys, one row `[H, 1, 2N]`, and a tile's `[1, 2T]` slice of it, broadcast over the tile's queries, is rotated
   into place the same way.
+- Past some distance each way the relative index is constant (the outermost bucket, or the clipped row:
+  `scores.saturation`), so a tile pair whose distances all lie beyond it (a far pair: at 2,048 tokens with
+  DeBERTa-base's 256 buckets half the pairs, at 8,192 six in seven) reads one table row: its c2p is a column per
+  query, `q . pos_key[end]`, and its p2c a row per key. Those `[B, H, 2, N]` end terms (`_end_terms`, one per
+  outermost row) are `O(N d)` products outside the kernels, which read them as rows per tile; a far pair runs
+  BERT's products only, and the backward kernel returns its score gradient's row and column sums for them, which
+  autodiff carries back through the end terms to the queries, keys and tables.
 - The softmax is FlashAttention's online softmax over key tiles (grid axis 3), saving each row's log-sum-exp.
 - With a window (`ScoreTerms.window`) a query tile visits only the band of key tiles its queries' windows reach
   (`KernelShape.key_band` of them, about `(T + W) / T + 1`): the grid's key axis is that band, and the index maps
@@ -81,10 +88,47 @@ class KernelShape:
     dropout_rate: float = 0.0  # attention dropout; 0 in evaluation
     temperature: bool = False  # a factor per query on its scores
     window: int = 0  # positions each query sees (`scores.window_starts`), fewer than `length`; 0: every key
+    # (d_hi, d_lo): the relative index is its last row at distances >= d_hi and its first at <= d_lo
+    # (`scores.saturation`); None without position terms or when no distance is that far.
+    ends: tuple[int, int] | None = None
 
     @property
     def dropout(self) -> bool:
         return self.dropout_rate > 0
+
+    @property
+    def far_c2p(self) -> bool:
+        """Whether far pairs read c2p's end terms (a column per query) instead of its products."""
+        return self.c2p and self.ends is not None
+
+    @property
+    def far_p2c(self) -> bool:
+        return self.p2c and self.ends is not None
+
+    def far(self, query_tile, key_tile):
+        """(hi, lo): whether every distance `i - j` of the tile pair is `>= d_hi` (last row), or `<= d_lo`
+        (first row). Python False without end terms; traced or numpy tiles otherwise."""
+        if self.ends is None:
+            return False, False
+        d_hi, d_lo = self.ends
+        gap = (query_tile - key_tile) * self.tile
+        return gap - (self.tile - 1) >= d_hi, gap + (self.tile - 1) <= d_lo
+
+    def near(self, query_tile, key_tile):
+        """Whether the tile pair reads rows of its own (products with the expanded tables); True without end terms."""
+        hi, lo = self.far(query_tile, key_tile)
+        return True if self.ends is None else ~(hi | lo)
+
+    def near_visits(self, backward: bool) -> np.ndarray:
+        """Per grid row and step (`[tiles, steps]`, rows the forward's query tiles or the backward's key tiles),
+        whether the visited pair is near: what the cost estimate counts. Along a row the pairs' distances move
+        monotonically, so its near pairs are one run of consecutive steps (the band)."""
+        outer = np.arange(self.num_tiles)[:, None]
+        step = np.arange(self.query_band if backward else self.key_band)[None, :]
+        with jax.ensure_compile_time_eval():  # the index maps' jnp arithmetic on constants, also inside a trace
+            query, key = (self.query_tile(outer, step), outer) if backward else (outer, self.key_tile(outer, step))
+            near = self.near(np.asarray(query), np.asarray(key))
+        return np.broadcast_to(np.asarray(near), (outer.size, step.size))
 
     @property
     def num_tiles(self) -> int:
@@ -179,16 +223,17 @@ def _unskew(grad, tile: int):
     return jnp.concatenate(halves, axis=1)
 
 
-def _position_product(x, rows, carried):
+def _position_product(x, rows, carried, restart):
     """`x @ rows`, `[T, d] x [d, 2T]` -> `[T, 2T]` float32. With `carried` (a `[T, T]` float32 scratch) the left
     half is the previous grid step's right half: along the innermost grid axis the side that `x` belongs to stays
     fixed and the other moves one tile, so the distances move one tile too and the pair's left `[d, T]` rows are
-    the previous pair's right ones (one product per step instead of two, plus one at the axis' first step)."""
+    the previous pair's right ones (one product per step instead of two, plus one where the row's band of near
+    pairs starts: `restart`)."""
     if carried is None:
         return _dot(x, rows)
     t = x.shape[0]
 
-    @pl.when(pl.program_id(3) == 0)
+    @pl.when(restart)
     def _():
         carried[...] = _dot(x, rows[:, :t])
 
@@ -197,17 +242,57 @@ def _position_product(x, rows, carried):
     return jnp.concatenate([left, right], axis=1)
 
 
-def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, c2p_carried=None, p2c_carried=None):
+def _band_edges(shape: KernelShape, tiles):
+    """(start, end): whether this grid step's pair is the first / last near pair of its row (its band): where a
+    carried position product restarts and where p2c's pending gradient is flushed."""
+    step, last = pl.program_id(3), pl.num_programs(3) - 1
+    if shape.ends is None:
+        return step == 0, step == last
+    before = tiles(pl.program_id(2), jnp.maximum(step - 1, 0))
+    after = tiles(pl.program_id(2), jnp.minimum(step + 1, last))
+    return (step == 0) | ~shape.near(*before), (step == last) | ~shape.near(*after)
+
+
+def _position_terms(shape: KernelShape, q, k, options, query_tile, key_tile, restart, c2p_carried, p2c_carried):
+    """c2p + p2c of one tile pair `[T, T]` (before the divisor): a near pair's from its table rows, a far pair's
+    from the end terms (c2p's column of its queries plus p2c's row of its keys)."""
+    t = shape.tile
+
+    def near():
+        ec, eq, _ = _table_rows(shape, options, query_tile, key_tile)
+        out = jnp.zeros((t, t), jnp.float32)
+        if shape.c2p:
+            out = out + _skew(_position_product(q, ec, c2p_carried, restart), t)
+        if shape.p2c:
+            out = out + _skew(_position_product(k, eq, p2c_carried, restart), t).T
+        return out
+
+    if shape.ends is None:
+        return near()
+    hi, lo = shape.far(query_tile, key_tile)
+
+    def far():
+        out = jnp.zeros((t, t), jnp.float32)
+        if shape.c2p:  # rows [lo, hi] of the query tile's end terms -> its column
+            ends = options.c2p_ends[...]
+            out = out + _to_column(jnp.where(hi, ends[1:], ends[:1]))
+        if shape.p2c:
+            ends = options.p2c_ends[...]
+            out = out + jnp.where(hi, ends[1:], ends[:1])
+        return out
+    return jax.lax.cond(hi | lo, far, near)
+
+
+def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, restart=None, c2p_carried=None,
+            p2c_carried=None):
     """Masked float32 scores `[T, T]` of one tile, its scores before the temperature, and the temperature column
     `[T, 1]` (None without one). `*_carried`: a position term's scratch for `_position_product` in the kernel whose
     innermost grid axis moves the other side (the forward's keys for c2p, the backward's queries for p2c)."""
     t = shape.tile
-    ec, eq, eb = _table_rows(shape, options, query_tile, key_tile)
     raw = _dot_t(q, k)
-    if shape.c2p:
-        raw = raw + _skew(_position_product(q, ec, c2p_carried), t)
-    if shape.p2c:
-        raw = raw + _skew(_position_product(k, eq, p2c_carried), t).T
+    if shape.c2p or shape.p2c:
+        raw = raw + _position_terms(shape, q, k, options, query_tile, key_tile, restart, c2p_carried, p2c_carried)
+    eb = _table_rows(shape, options, query_tile, key_tile)[2]
     bias = _skew(jnp.broadcast_to(eb, (t, 2 * t)), t) if shape.bias else None
     scores = combine_scores(raw, 0.0, bias, shape.divisor)
     temperature = _to_column(options.temperature[...]) if shape.temperature else None
@@ -266,12 +351,15 @@ def _pop(refs: list, *on) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys
-    and its queries' temperature (rows), and the head's expanded tables and bias."""
+    """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys,
+    its queries' temperature (rows), the end terms of its queries (c2p) and keys (p2c) (two rows each), and the
+    head's expanded tables and bias."""
 
     query_hash: object
     key_hash: object
     temperature: object
+    c2p_ends: object
+    p2c_ends: object
     ec: object
     eq: object
     eb: object
@@ -281,7 +369,8 @@ def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
     head = _pop(refs, *[True] * count)
-    on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c, shape.bias)
+    on = (shape.dropout, shape.dropout, shape.temperature, shape.far_c2p, shape.far_p2c, shape.c2p, shape.p2c,
+          shape.bias)
     return head, _Options(*_pop(refs, *on)), refs
 
 
@@ -308,7 +397,7 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
     s, _, _ = _scores(shape, q_ref[...], k_ref[...], options, _attended(shape, mask_ref, query_tile, key_tile),
-                      query_tile, key_tile, c2p_carried=c2p_sc)
+                      query_tile, key_tile, restart=_band_edges(shape, tiles)[0], c2p_carried=c2p_sc)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
@@ -327,7 +416,7 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
 
 # ------------------------------------------------------------------------------------------------ backward
 def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_tile, do, lse, delta,
-                p2c_carried):
+                restart, p2c_carried):
     """For one tile: the probabilities as the forward pass weighed the values (after dropout), the gradient of the
     scores before the temperature (`combine_scores`' sum; masked keys get none), and the temperature's gradient
     per query (`[T, 1]`, None without one).
@@ -335,7 +424,8 @@ def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_
     With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
     probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
     attended = _attended(shape, mask_ref, query_tile, key_tile)
-    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile, p2c_carried=p2c_carried)
+    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile, restart=restart,
+                                     p2c_carried=p2c_carried)
     p = jnp.exp(s - _to_column(lse))
     keep = _keep(shape, options)
     dp = dropout_masks.apply(_dot_t(do, v), keep, shape.dropout_rate)
@@ -368,11 +458,13 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     p2c's products share halves between consecutive steps, as its scores do (`_position_product`): the key tile is
     fixed and the pair's distances move one tile per step, so the right half of a step's per-distance gradient
     multiplies the same `[d, T]` table rows as the next step's left half. The two are summed first (`p2c_pending`)
-    and each block of rows takes one product for dk and one for its table gradient."""
+    and each block of rows takes one product for dk and one for its table gradient. A far pair's position terms
+    are end terms: their gradients are the score gradient's row sums (c2p's, per query, over the sequence) and
+    column sums (p2c's, per key)."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
-    on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature)
-    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref = _pop(rest, *on)
-    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc = _pop(rest, *on)
+    on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature, shape.far_c2p, shape.far_p2c)
+    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_ce_ref, d_pe_ref = _pop(rest, *on)
+    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, ce_acc, pe_acc = _pop(rest, *on)
     p2c_carried, p2c_pending = _pop(rest, shape.p2c, shape.p2c)
     t = shape.tile
     step = pl.program_id(3)
@@ -381,19 +473,19 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     sequence_first = (pl.program_id(2) == 0) & (step == 0)
     sequence_last = (pl.program_id(2) == pl.num_programs(2) - 1) & last_step
     head_first, head_last = _head_steps()
+    band_start, band_end = _band_edges(shape, tiles)
 
     @pl.when(step == 0)
     def _():
-        dk_sc[...] = jnp.zeros_like(dk_sc)
-        dv_sc[...] = jnp.zeros_like(dv_sc)
-        if shape.p2c:
-            p2c_pending[...] = jnp.zeros_like(p2c_pending)
+        for acc in (dk_sc, dv_sc, pe_acc, p2c_pending):
+            if acc is not None:
+                acc[...] = jnp.zeros_like(acc)
 
     @pl.when(sequence_first)
     def _():
-        dq_sc[...] = jnp.zeros_like(dq_sc)
-        if shape.temperature:
-            dt_sc[...] = jnp.zeros_like(dt_sc)
+        for acc in (dq_sc, dt_sc, ce_acc):
+            if acc is not None:
+                acc[...] = jnp.zeros_like(acc)
 
     @pl.when(head_first)
     def _():
@@ -403,52 +495,68 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
     q, k, do = q_ref[...], k_ref[...], do_ref[...]
     p, d_scores, dt = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do,
-                                  lse_ref[...], delta_ref[...], p2c_carried)
+                                  lse_ref[...], delta_ref[...], band_start, p2c_carried)
     ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
-    dq = _dot(ds.astype(k.dtype), k)
-    dk = _dot(ds.T.astype(q.dtype), q)
-    if shape.c2p or shape.bias:
-        per_distance = _unskew(d_scores, t)  # the scores' gradient per (query, distance)
-        columns = _table_columns(shape, -1, query_tile, key_tile)
-    if shape.c2p:
-        ec_rows = options.ec[:, columns]
-        per_distance_raw = per_distance / shape.divisor
-        dq = dq + _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
-        ec_acc[:, columns] += _dot(q.T.astype(jnp.float32), per_distance_raw)
+    rows = _query_rows(shape, query_tile)
+    columns = _table_columns(shape, -1, query_tile, key_tile)
+    per_distance = _unskew(d_scores, t) if shape.bias else None  # the scores' gradient per (query, distance)
     if shape.bias:
         eb_acc[:, columns] += per_distance.sum(axis=0, keepdims=True)
-    if shape.p2c:
-        per_key = _unskew(ds.T, t)  # per (key, distance)
-        left, right = (_table_columns(shape, 1, query_tile, key_tile, offset=half, width=1) for half in (0, 1))
-        merged = p2c_pending[...] + per_key[:, :t]
-        p2c_pending[...] = per_key[:, t:]
-        dk = dk + _dot_t(merged.astype(options.eq.dtype), options.eq[:, left])
-        eq_acc[:, left] += _dot(k.T.astype(jnp.float32), merged)
 
-        @pl.when(last_step)
+    @pl.when(shape.near(query_tile, key_tile))
+    def _():
+        if shape.c2p:
+            ec_rows = options.ec[:, columns]
+            per_distance_raw = (_unskew(d_scores, t) if per_distance is None else per_distance) / shape.divisor
+            dq_sc[rows, :] += _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
+            ec_acc[:, columns] += _dot(q.T.astype(jnp.float32), per_distance_raw)
+        if shape.p2c:
+            per_key = _unskew(ds.T, t)  # per (key, distance)
+            left, right = (_table_columns(shape, 1, query_tile, key_tile, offset=half, width=1) for half in (0, 1))
+            merged = p2c_pending[...] + per_key[:, :t]
+            p2c_pending[...] = per_key[:, t:]
+            dk_sc[...] += _dot_t(merged.astype(options.eq.dtype), options.eq[:, left])
+            eq_acc[:, left] += _dot(k.T.astype(jnp.float32), merged)
+
+            @pl.when(band_end)
+            def _():
+                rest = p2c_pending[...]
+                dk_sc[...] += _dot_t(rest.astype(options.eq.dtype), options.eq[:, right])
+                # `(rest.T @ k).T`, not `k.T @ rest`: with `k.T` feeding a product here and the one above, libtpu
+                # 0.0.42's compiler fails a check (mxu_lmr_transform) on some train steps.
+                eq_acc[:, right] += _dot(rest.T, k.astype(jnp.float32)).T
+
+    if shape.ends is not None:
+        hi, lo = shape.far(query_tile, key_tile)
+
+        @pl.when(hi | lo)
         def _():
-            rest = p2c_pending[...]
-            dk_sc[...] += _dot_t(rest.astype(options.eq.dtype), options.eq[:, right])
-            # `(rest.T @ k).T`, not `k.T @ rest`: with `k.T` feeding a product here and the one above, libtpu
-            # 0.0.42's compiler fails a check (mxu_lmr_transform) on some train steps.
-            eq_acc[:, right] += _dot(rest.T, k.astype(jnp.float32)).T
-    rows = _query_rows(shape, query_tile)
-    dq_sc[rows, :] = dq_sc[rows, :] + dq
+            def by_end(sums):  # `[1, T]` -> `[2, T]`: the sums in the row of the pair's end (lo, hi)
+                return jnp.concatenate([jnp.where(lo, sums, 0.0), jnp.where(hi, sums, 0.0)], axis=0)
+            if shape.c2p:
+                ce_acc[:, rows] += by_end(_to_row(ds.sum(axis=1, keepdims=True)))
+            if shape.p2c:
+                pe_acc[...] += by_end(ds.sum(axis=0, keepdims=True))
+
+    dq_sc[rows, :] += _dot(ds.astype(k.dtype), k)
     if shape.temperature:
-        dt_sc[:, rows] = dt_sc[:, rows] + _to_row(dt)
-    dk_sc[...] += dk
+        dt_sc[:, rows] += _to_row(dt)
+    dk_sc[...] += _dot(ds.T.astype(q.dtype), q)
     dv_sc[...] += _dot(p.T.astype(do.dtype), do)
 
     @pl.when(last_step)
     def _():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+        if shape.far_p2c:
+            d_pe_ref[...] = pe_acc[...]
 
     @pl.when(sequence_last)
     def _():
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
-        if shape.temperature:
-            dt_ref[...] = dt_sc[...]
+        for acc, out in ((dt_sc, dt_ref), (ce_acc, d_ce_ref)):
+            if acc is not None:
+                out[...] = acc[...]
 
     @pl.when(head_last)
     def _():
@@ -458,33 +566,37 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
-# Matrix-unit products per tile pair, in units of one `[T, d] x [d, T]` (`steps`: the innermost grid axis' length).
-# Forward: q.k and p @ v; c2p's `[T, 2T]` product is one unit a step (the half it shares with the last step is kept,
-# `_position_product`) plus one at the axis' first step; p2c's two, since its side moves every step. Backward:
-# q.k, dp, ds @ k, ds^T @ q, p^T @ do; c2p's scores (2), its share of dq (`[T, 2T] x [2T, d]`, 2) and its table's
-# gradient (`[d, T] x [T, 2T]`, 2); p2c's scores, share of dk and table gradient one unit each, its halves shared
-# across steps, plus three at the axis' ends.
+# Matrix-unit products, in units of one `[T, d] x [d, T]`: (per tile pair, more per near pair, more per band of near
+# pairs). Forward: q.k and p @ v; a near pair's c2p `[T, 2T]` product is one unit (the half it shares with the last
+# step is kept, `_position_product`) plus one where its band starts; p2c's two, since its side moves every step.
+# Backward: q.k, dp, ds @ k, ds^T @ q, p^T @ do; a near pair's c2p scores (2), its share of dq (`[T, 2T] x [2T, d]`,
+# 2) and its table's gradient (`[d, T] x [T, 2T]`, 2); p2c's scores, share of dk and table gradient one unit each,
+# its halves shared across steps, plus three at the band's ends. A far pair's position terms are end terms: no
+# products.
 _PRODUCTS = {
-    "_forward_kernel": lambda s, steps: 2 + s.c2p * (1 + 1 / steps) + 2 * s.p2c,
-    "_backward_kernel": lambda s, steps: 5 + 6 * s.c2p + 3 * s.p2c * (1 + 1 / steps),
+    "_forward_kernel": lambda s: (2, s.c2p + 2 * s.p2c, s.c2p),
+    "_backward_kernel": lambda s: (5, 6 * s.c2p + 3 * s.p2c, 3 * s.p2c),
 }
 
 
 def _cost(kernel, shape: KernelShape, grid, inputs, tables, resident: str | None, out_shapes) -> pl.CostEstimate:
     """What one call costs, for XLA's cost analysis of a compiled program (a custom call is opaque to it): the
-    products of every tile pair the grid visits (`_PRODUCTS`; a window's band, not every pair), one exp per score,
-    and the bytes the grid moves: blocks of the `resident` side (the one fixed along the innermost grid axis) once,
-    the other side's once per step of that axis, an input shared by the heads (the key mask, a temperature without
-    a head axis) once per head, and each head's tables once per sequence."""
+    products of every tile pair the grid visits (`_PRODUCTS`; a window's band, not every pair; a far pair's without
+    position products), one exp per score, and the bytes the grid moves: blocks of the `resident` side (the one
+    fixed along the innermost grid axis) once, the other side's once per step of that axis, an input shared by the
+    heads (the key mask, a temperature without a head axis) once per head, and each head's tables once per
+    sequence."""
     b, h, _, d = inputs[0][0].shape
     pairs = b * h * grid[2] * grid[3]
     unit = 2 * shape.tile ** 2 * d
-    products = _PRODUCTS[kernel.__name__](shape, grid[3])
+    every, near, band = _PRODUCTS[kernel.__name__](shape)
+    visits = shape.near_visits(backward=kernel is _backward_kernel)
+    units = every * visits.size + near * int(visits.sum()) + band * int(visits.any(axis=1).sum())
     streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else grid[3]) * (b * h // math.prod(x.shape[:2]))
                    for x, (_, side) in zip(*inputs))
     streamed += sum(x.size * x.dtype.itemsize * b for x in tables)
     written = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(out_shapes))
-    return pl.CostEstimate(flops=round(pairs * unit * products), transcendentals=pairs * shape.tile ** 2,
+    return pl.CostEstimate(flops=b * h * unit * units, transcendentals=pairs * shape.tile ** 2,
                            bytes_accessed=streamed + written)
 
 
@@ -500,8 +612,10 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
             b, h, i, j = order(*point)
             tile = tiles(i, j)[0 if side == "q" else 1]
             head = h if x.shape[1] > 1 else 0  # a row shared by the heads (a temperature without a head axis)
-            return {"token": (b, h, tile, 0), "row": (b, head, 0, tile), "mask": (b, 0, tile)}[block]
-        shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "mask": (None, 1, t)}
+            return {"token": (b, h, tile, 0), "row": (b, head, 0, tile), "ends": (b, h, 0, tile),
+                    "mask": (b, 0, tile)}[block]
+        shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "ends": (None, None, 2, t),
+                  "mask": (None, 1, t)}
         return pl.BlockSpec(shapes[block], index)
 
     in_specs = [spec(x, block, side) for x, (block, side) in zip(*inputs)]
@@ -534,15 +648,17 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
 
 
 _TOKEN_Q, _TOKEN_K, _MASK = ("token", "q"), ("token", "k"), ("mask", "k")
-_ROW_Q, _ROW_K = ("row", "q"), ("row", "k")
+_ROW_Q, _ROW_K, _ENDS_Q, _ENDS_K = ("row", "q"), ("row", "k"), ("ends", "q"), ("ends", "k")
 _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensionSemantics.ARBITRARY
 
 
 def _options(shape: KernelShape, options):
     """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables)."""
-    query_hash, key_hash, temperature, ec, eq, eb = options
+    query_hash, key_hash, temperature, c2p_ends, p2c_ends, ec, eq, eb = options
     rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout),
-                                            (temperature, _ROW_Q, shape.temperature)) if on]
+                                            (temperature, _ROW_Q, shape.temperature),
+                                            (c2p_ends, _ENDS_Q, shape.far_c2p), (p2c_ends, _ENDS_K, shape.far_p2c))
+            if on]
     return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c), (eb, shape.bias)) if on]
 
 
@@ -596,15 +712,20 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
     sequence_row = pl.BlockSpec((None, None, 1, n_pad), lambda h_, b_, x, y: (b_, h_, 0, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
-    _, _, temperature, ec, eq, eb = options
+    _, _, temperature, c2p_ends, p2c_ends, ec, eq, eb = options
     # (on, an array like the output, its spec, its float32 accumulator) in `_backward_kernel`'s order; the
-    # temperature's gradient per head is a row per sequence, like the log-sum-exp.
+    # temperature's gradient per head is a row per sequence, like the log-sum-exp, and the end terms' gradients
+    # two rows per sequence (c2p's, by query) and per key tile (p2c's).
     items = [(True, k, key_tile, pltpu.VMEM((t, d), jnp.float32)), (True, v, key_tile, pltpu.VMEM((t, d), jnp.float32)),
              (True, q, sequence, pltpu.VMEM((n_pad, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
              (shape.p2c, eq, whole_table, accumulator),
              (shape.bias, eb, pl.BlockSpec((None, 1, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0)),
               pltpu.VMEM((1, 2 * n_pad), jnp.float32)),
-             (shape.temperature, lse, sequence_row, pltpu.VMEM((1, n_pad), jnp.float32))]
+             (shape.temperature, lse, sequence_row, pltpu.VMEM((1, n_pad), jnp.float32)),
+             (shape.far_c2p, c2p_ends, pl.BlockSpec((None, None, 2, n_pad), lambda h_, b_, x, y: (b_, h_, 0, 0)),
+              pltpu.VMEM((2, n_pad), jnp.float32)),
+             (shape.far_p2c, p2c_ends, pl.BlockSpec((None, None, 2, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
+              pltpu.VMEM((2, t), jnp.float32))]
     on = [item for item in items if item[0]]
     carried = [pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c)  # p2c's carried products and pending gradient
     tables_accumulate = shape.c2p or shape.p2c or shape.bias
@@ -614,10 +735,11 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
         [scratch for _, _, _, scratch in on] + carried,
         (_PARALLEL, _ARBITRARY if tables_accumulate else _PARALLEL, _ARBITRARY, _ARBITRARY), resident="k",
         order=order)
-    d_ec, d_eq, d_eb, dt = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature)
+    d_ec, d_eq, d_eb, dt, d_ce, d_pe = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature,
+                                            shape.far_c2p, shape.far_p2c)
     if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)
-    d_options = (None, None, dt, d_ec, d_eq, d_eb)
+    d_options = (None, None, dt, d_ce, d_pe, d_ec, d_eq, d_eb)
     return dq, dk, dv, None, d_options
 
 
@@ -646,13 +768,14 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
                         relative and terms.pos_query is not None, terms.bias is not None,
                         float(dropout_rate) if dropout else 0.0,
                         temperature=terms.temperature is not None,
-                        window=terms.window if terms.window < length else 0)
+                        window=terms.window if terms.window < length else 0,
+                        ends=saturation(terms.relative.by_distance, length, length) if relative else None)
     pad = shape.padded - length
 
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    hashes = query_hash = key_hash = temperature = ec = eq = eb = None
+    hashes = query_hash = key_hash = temperature = c2p_ends = p2c_ends = ec = eq = eb = None
     if dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
@@ -667,6 +790,9 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
         ec = jnp.swapaxes(terms.pos_key[:, reverse], 1, 2) if shape.c2p else None
         eq = jnp.swapaxes(terms.pos_query[:, forward], 1, 2) if shape.p2c else None
+        rel = terms.relative.by_distance
+        c2p_ends = _end_terms(padded(q), terms.pos_key, rel) if shape.far_c2p else None
+        p2c_ends = _end_terms(padded(k), terms.pos_query, rel) if shape.far_p2c else None
     if shape.bias:  # laid out like the position keys: a tile's slice rotates into place as c2p's products do
         _, reverse = expand_tables(np.arange(2 * length - 1), shape)
         eb = terms.bias[:, None, reverse].astype(jnp.float32)
@@ -678,9 +804,10 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # splits over all of its axes (`train.sharding.batch_sharding`); the tables and the bias are replicated.
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
         attend = jax.shard_map(attend, mesh=mesh,
-                               in_specs=(rows, rows, rows, rows, (rows, rows, rows, whole, whole, whole)),
+                               in_specs=(rows, rows, rows, rows, (rows,) * 5 + (whole,) * 3),
                                out_specs=(rows, rows), check_vma=False)
-    out, lse = attend(padded(q), padded(k), padded(v), mask, (query_hash, key_hash, temperature, ec, eq, eb))
+    out, lse = attend(padded(q), padded(k), padded(v), mask,
+                      (query_hash, key_hash, temperature, c2p_ends, p2c_ends, ec, eq, eb))
     out = out[:, :, :length]
     if terms.global_keys is not None and shape.window:
         out = _merge_global_keys(terms, v, out, lse[:, :, 0, :length], shape, hashes)
@@ -747,12 +874,19 @@ def _global_position_terms(terms: ScoreTerms, shape: KernelShape, k, key):
     far = jnp.arange(n)[None, None, :] - key[:, None, None] >= d_hi  # [B, 1, N]: past the band's high end
     terms_far, terms_band = 0.0, 0.0
     if shape.c2p:
-        ends = jnp.einsum("bhid,hed->bhie", terms.q, terms.pos_key[:, np.asarray([rel[0], rel[-1]])])
-        terms_far = terms_far + jnp.where(far, ends[..., 1], ends[..., 0])
+        ends = _end_terms(terms.q, terms.pos_key, rel)
+        terms_far = terms_far + jnp.where(far, ends[:, :, 1], ends[:, :, 0])
         terms_band = terms_band + jnp.einsum("bhwd,hbwd->bhw", cut(terms.q), terms.pos_key[:, rows])
     if shape.p2c:
-        ends = jnp.einsum("bhd,hed->bhe", k, terms.pos_query[:, np.asarray([rel[0], rel[-1]])])
-        terms_far = terms_far + jnp.where(far, ends[..., 1:], ends[..., :1])
+        ends = _end_terms(k[:, :, None], terms.pos_query, rel)
+        terms_far = terms_far + jnp.where(far, ends[:, :, 1], ends[:, :, 0])
         terms_band = terms_band + jnp.einsum("bhd,hbwd->bhw", k, terms.pos_query[:, rows])
     terms_far = jnp.broadcast_to(terms_far, terms.q.shape[:3]).astype(jnp.result_type(terms_band))
     return jax.vmap(lambda f, b, s: jax.lax.dynamic_update_slice_in_dim(f, b, s, axis=1))(terms_far, terms_band, start)
+
+
+def _end_terms(x, table, rel: np.ndarray):
+    """`x` `[B, H, N, d]` against a projected table's rows at the outermost distances: `[B, H, 2, N]` float32, row
+    0 the index's first row (distances `<= d_lo`), row 1 its last (`>= d_hi`)."""
+    return jnp.einsum("bhnd,hed->bhen", x, table[:, np.asarray([rel[0], rel[-1]])],
+                      preferred_element_type=jnp.float32)

@@ -338,25 +338,33 @@ def inner_jaxprs(eqn):
                 yield inner
 
 
-def matrix_unit_flops(kernel_jaxpr) -> tuple[int, int]:
-    """(FLOPs of the `dot_general`s every grid step runs, those under a `pl.when`) in a Pallas kernel's jaxpr."""
-    every, conditional = 0, 0
+def matrix_unit_flops(kernel_jaxpr) -> list[int]:
+    """FLOPs of the `dot_general`s in a Pallas kernel's jaxpr by how many conditionals (`pl.when`, `lax.cond`) they
+    sit under: `[unconditional, under one, under two]`."""
+    flops = [0, 0, 0]
 
-    def walk(jaxpr, under_when):
-        nonlocal every, conditional
+    def walk(jaxpr, depth):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
                 (contracted, _), _ = eqn.params["dimension_numbers"]
                 size = math.prod(eqn.invars[0].aval.shape[axis] for axis in contracted)
-                flops = 2 * math.prod(eqn.outvars[0].aval.shape) * size
-                if under_when:
-                    conditional += flops
-                else:
-                    every += flops
+                flops[depth] += 2 * math.prod(eqn.outvars[0].aval.shape) * size
             for inner in inner_jaxprs(eqn):
-                walk(inner, under_when or eqn.primitive.name == "cond")
-    walk(kernel_jaxpr, False)
-    return every, conditional
+                walk(inner, depth + (eqn.primitive.name == "cond"))
+    walk(kernel_jaxpr, 0)
+    return flops
+
+
+def near_pairs(rel, n, tile, visits) -> np.ndarray:
+    """Whether each visited tile pair (`visits`: query tiles, key tiles) has a distance whose relative index is not
+    an outermost row (from the index itself: the pair's position products are needed)."""
+    query, key = visits
+    a = np.arange(tile)
+    distance = (query * tile)[..., None, None] + a[:, None] - (key * tile)[..., None, None] - a
+    index = rel[np.clip(distance, -(n - 1), n - 1) + n - 1]
+    flat = index.reshape(index.shape[:-2] + (-1,))
+    outermost = (flat == rel[0]).all(-1) | (flat == rel[-1]).all(-1)
+    return ~outermost
 
 
 def pallas_calls(jaxpr) -> dict:
@@ -375,16 +383,30 @@ def pallas_calls(jaxpr) -> dict:
                                              ((), 0)])
 def test_cost_estimate_counts_the_products_the_kernels_run(terms_on, window):
     """The FLOPs each kernel reports to XLA's cost analysis (what the aot tables' TFLOP and rooflines add up) are
-    the matrix-unit products its body runs: those of every step times the grid's steps, plus those under a
-    `pl.when` (the position products' first half at the innermost axis' first step, p2c's pending gradient at
-    its last) once per pass over that axis. Counted from the traced kernels, forward and backward."""
+    the matrix-unit products its body runs, counted from the traced kernels, forward and backward: those outside
+    any conditional at every visited tile pair; with position terms, those under one conditional (the near
+    pairs' position products) at every pair whose distances are not all beyond the relative index's reach,
+    counted here from the index, and those under two (a carried product's first half, p2c's pending gradient)
+    once per grid row that has such pairs. Without position terms the kernels branch only on the row's ends."""
     terms, v, key_mask = table_inputs(terms_on, R // 2 if terms_on else 0)
     terms = dataclasses.replace(terms, window=window)
-    jaxpr = jax.make_jaxpr(jax.grad(lambda terms, v: jnp.sum(pallas_tpu_attention(terms, v, key_mask, tile=8)),
+    n, tile = terms.q.shape[2], 8
+    jaxpr = jax.make_jaxpr(jax.grad(lambda terms, v: jnp.sum(pallas_tpu_attention(terms, v, key_mask, tile=tile)),
                                     argnums=(0, 1)))(terms, v)
     calls = pallas_calls(jaxpr.jaxpr)
     assert sorted(calls) == ["backward_kernel", "forward_kernel"]
-    for params in calls.values():
-        grid = params["grid_mapping"].grid
-        every, conditional = matrix_unit_flops(params["jaxpr"])
-        assert params["cost_estimate"].flops == every * math.prod(grid) + conditional * math.prod(grid[:3])
+    shape = KernelShape(n, tile, 1.0, False, False, window=window)
+    far_pairs = 0
+    for name, params in calls.items():
+        backward = name == "backward_kernel"
+        rows, steps = params["grid_mapping"].grid[2:]
+        outer, step = np.arange(rows)[:, None], np.arange(steps)[None, :]
+        with jax.ensure_compile_time_eval():
+            visits = (np.asarray(shape.query_tile(outer, step)), outer + 0 * step) if backward else (
+                outer + 0 * step, np.asarray(shape.key_tile(outer, step)))
+        near = near_pairs(terms.relative.by_distance, n, tile, visits) if terms_on else np.ones((rows, steps), bool)
+        far_pairs += (~near).sum()
+        every, once, twice = matrix_unit_flops(params["jaxpr"])
+        per_head = every * near.size + (once * near.sum() + twice * near.any(axis=1).sum() if terms_on else once * rows)
+        assert params["cost_estimate"].flops == per_head * math.prod(params["grid_mapping"].grid[:2])
+    assert (far_pairs > 0) == bool(terms_on)  # the test reaches far pairs, with and without a window

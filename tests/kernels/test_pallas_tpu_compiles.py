@@ -60,10 +60,11 @@ def test_every_option_compiles_for_tpus(topology):
 
 def test_a_windowed_call_costs_length_times_window():
     """The compiled program's FLOPs and bytes (XLA's count, which takes the kernels' cost estimates) for a window of
-    64: 4x the length costs 4x, where the full call costs about 16x."""
+    64: 4x the length costs 4x, where the full call's tile pairs grow 16x (its FLOPs about 11x: most of the added
+    pairs lie beyond the relative index's reach, 64 here, and run no position products)."""
     def cost(n, window):
         analysis = compile_for_tpu("v5e:2x2", n, window=window).cost_analysis()
         return analysis["flops"], analysis["bytes accessed"]
     short, long = cost(1024, 64), cost(4096, 64)
     assert [b / a for a, b in zip(short, long)] == pytest.approx([4, 4], rel=0.05)
-    assert cost(4096, 0)[0] > 14 * cost(1024, 0)[0]
+    assert cost(4096, 0)[0] > 10 * cost(1024, 0)[0]
