@@ -3,9 +3,10 @@
 # kernel draws it inside its tiles), train steps at 512 x 256, 2,048 x 64 and 8,192 x 16 tokens x rows on v5e-16
 # (mesh.fsdp=16) and v5p-8 (plain data parallelism, as results/aot), BERT-base's on v5e-16 with the same kernel for
 # comparison, and the length study's forward at 8x the 512-token training length as trained and under each length
-# method (log_length, window, window_global, interpolate_distances). Markdown rows in $OUT/table.md, records in
-# $OUT/[bert-]<slice>-<tokens>-train.json and $OUT/<slice>-length.json. Needs libtpu; nothing runs on a TPU; about
-# 40 minutes of one CPU core.
+# method (log_length, window, window_global, interpolate_distances); DeBERTa's train steps past 512 tokens also with
+# the published relative table (256 buckets, distances to 512) instead of one that grows with the length. Markdown
+# rows in $OUT/table.md, records in $OUT/[bert-|v3-table-]<slice>-<tokens>-train.json and $OUT/<slice>-length.json.
+# Needs libtpu; nothing runs on a TPU; about 50 minutes of one CPU core.
 #
 #   bash benchmarks/aot_fused_study.sh [OUT]          # OUT defaults to results/aot-fused/study
 set -euo pipefail
@@ -31,11 +32,17 @@ for slice in v5e:4x4:16 v5p:2x2x2:1; do
   [ "$topology" = v5e:4x4 ] && families="deberta bert"
   for tokens_rows in 512:256 2048:64 8192:16; do
     tokens=${tokens_rows%%:*}
+    train=(--programs=train --config.data.seq_len="$tokens" --config.model.max_position_embeddings="$tokens"
+           --config.train.batch_size="${tokens_rows##*:}")
     for family in $families; do
       prefix=$([ "$family" = bert ] && echo "bert-" || true)
-      aot "$prefix$tag-$tokens-train" "$family" "$topology" "$fsdp" --programs=train --config.data.seq_len="$tokens" \
-        --config.model.max_position_embeddings="$tokens" --config.train.batch_size="${tokens_rows##*:}"
+      aot "$prefix$tag-$tokens-train" "$family" "$topology" "$fsdp" "${train[@]}"
     done
+    # The published relative table (256 buckets, distances to 512) at every length, as DeBERTa-v3 runs past 512.
+    if [ "$tokens" != 512 ]; then
+      aot "v3-table-$tag-$tokens-train" deberta "$topology" "$fsdp" "${train[@]}" \
+        --config.model.position_buckets=256 --config.model.max_relative_positions=512
+    fi
   done
   aot "$tag-length" deberta "$topology" "$fsdp" --programs=length --length_kernels=pallas_tpu \
     --length_methods=log_length,window,window_global,interpolate_distances

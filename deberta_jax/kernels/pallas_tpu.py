@@ -119,16 +119,25 @@ class KernelShape:
         hi, lo = self.far(query_tile, key_tile)
         return True if self.ends is None else ~(hi | lo)
 
-    def near_visits(self, backward: bool) -> np.ndarray:
-        """Per grid row and step (`[tiles, steps]`, rows the forward's query tiles or the backward's key tiles),
-        whether the visited pair is near: what the cost estimate counts. Along a row the pairs' distances move
-        monotonically, so its near pairs are one run of consecutive steps (the band)."""
-        outer = np.arange(self.num_tiles)[:, None]
-        step = np.arange(self.query_band if backward else self.key_band)[None, :]
+    def visited(self, query_tile, key_tile, backward: bool):
+        """Whether the forward grid (each query tile's band of key tiles) or the backward one (each key tile's band
+        of query tiles) visits the tile pair; False for tiles outside the sequence."""
+        n = self.num_tiles
+        inside = (query_tile >= 0) & (query_tile < n) & (key_tile >= 0) & (key_tile < n)
+        if backward:
+            first = self.query_tile(key_tile, 0)
+            return inside & (query_tile >= first) & (query_tile < first + self.query_band)
+        first = self.key_tile(query_tile, 0)
+        return inside & (key_tile >= first) & (key_tile < first + self.key_band)
+
+    def near_pairs(self, backward: bool) -> np.ndarray:
+        """`[query tiles, key tiles]`: whether a grid visits the pair and it is near, which the cost estimate counts.
+        Along a grid row, and along a column (one tile of the side that moves, over the rows), the pairs'
+        distances move monotonically, so the near pairs of each are one run of consecutive tiles (a band) that
+        holds its diagonal pair."""
+        query, key = np.arange(self.num_tiles)[:, None], np.arange(self.num_tiles)[None, :]
         with jax.ensure_compile_time_eval():  # the index maps' jnp arithmetic on constants, also inside a trace
-            query, key = (self.query_tile(outer, step), outer) if backward else (outer, self.key_tile(outer, step))
-            near = self.near(np.asarray(query), np.asarray(key))
-        return np.broadcast_to(np.asarray(near), (outer.size, step.size))
+            return np.asarray(self.visited(query, key, backward) & self.near(query, key))
 
     @property
     def num_tiles(self) -> int:
@@ -244,7 +253,7 @@ def _position_product(x, rows, carried, restart):
 
 def _band_edges(shape: KernelShape, tiles):
     """(start, end): whether this grid step's pair is the first / last near pair of its row (its band): where a
-    carried position product restarts and where p2c's pending gradient is flushed."""
+    carried position product restarts and where a pending gradient is flushed."""
     step, last = pl.program_id(3), pl.num_programs(3) - 1
     if shape.ends is None:
         return step == 0, step == last
@@ -253,18 +262,29 @@ def _band_edges(shape: KernelShape, tiles):
     return (step == 0) | ~shape.near(*before), (step == last) | ~shape.near(*after)
 
 
-def _position_terms(shape: KernelShape, q, k, options, query_tile, key_tile, restart, c2p_carried, p2c_carried):
+def _column_edges(shape: KernelShape, query_tile, key_tile, backward: bool):
+    """(start, end): whether the pair is the first / last near pair of its column, the pairs of its moving-side
+    tile (the forward's key tile, the backward's query tile) over the grid's rows (consecutive rows visit it with
+    distances one tile apart)."""
+    def near_visit(row_offset):
+        query, key = (query_tile, key_tile + row_offset) if backward else (query_tile + row_offset, key_tile)
+        return shape.visited(query, key, backward) & shape.near(query, key)
+    return ~near_visit(-1), ~near_visit(1)
+
+
+def _position_terms(shape: KernelShape, q, k, options, query_tile, key_tile, c2p_carry, p2c_carry):
     """c2p + p2c of one tile pair `[T, T]` (before the divisor): a near pair's from its table rows, a far pair's
-    from the end terms (c2p's column of its queries plus p2c's row of its keys)."""
+    from the end terms (c2p's column of its queries plus p2c's row of its keys). Each `*_carry` is the
+    (`[T, T]` scratch, restart) of its `_position_product`."""
     t = shape.tile
 
     def near():
         ec, eq, _ = _table_rows(shape, options, query_tile, key_tile)
         out = jnp.zeros((t, t), jnp.float32)
         if shape.c2p:
-            out = out + _skew(_position_product(q, ec, c2p_carried, restart), t)
+            out = out + _skew(_position_product(q, ec, *c2p_carry), t)
         if shape.p2c:
-            out = out + _skew(_position_product(k, eq, p2c_carried, restart), t).T
+            out = out + _skew(_position_product(k, eq, *p2c_carry), t).T
         return out
 
     if shape.ends is None:
@@ -283,15 +303,16 @@ def _position_terms(shape: KernelShape, q, k, options, query_tile, key_tile, res
     return jax.lax.cond(hi | lo, far, near)
 
 
-def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, restart=None, c2p_carried=None,
-            p2c_carried=None):
+def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, c2p_carry, p2c_carry):
     """Masked float32 scores `[T, T]` of one tile, its scores before the temperature, and the temperature column
-    `[T, 1]` (None without one). `*_carried`: a position term's scratch for `_position_product` in the kernel whose
-    innermost grid axis moves the other side (the forward's keys for c2p, the backward's queries for p2c)."""
+    `[T, 1]` (None without one). `*_carry`: a position term's (scratch, restart) for `_position_product`: the half
+    it shares with the pair one step back along the grid row (the term whose side stays: the forward's c2p, the
+    backward's p2c) or one row back along its column (the other term: its side's tile is met again one row later,
+    one tile of distances further)."""
     t = shape.tile
     raw = _dot_t(q, k)
     if shape.c2p or shape.p2c:
-        raw = raw + _position_terms(shape, q, k, options, query_tile, key_tile, restart, c2p_carried, p2c_carried)
+        raw = raw + _position_terms(shape, q, k, options, query_tile, key_tile, c2p_carry, p2c_carry)
     eb = _table_rows(shape, options, query_tile, key_tile)[2]
     bias = _skew(jnp.broadcast_to(eb, (t, 2 * t)), t) if shape.bias else None
     scores = combine_scores(raw, 0.0, bias, shape.divisor)
@@ -386,7 +407,8 @@ def _keep(shape: KernelShape, options: _Options):
 # ------------------------------------------------------------------------------------------------- forward
 def _forward_kernel(*refs, shape: KernelShape, tiles):
     (q_ref, k_ref, v_ref, mask_ref), options, rest = _split_refs(refs, shape, 4)
-    o_ref, lse_ref, m_sc, l_sc, acc_sc, c2p_sc = _pop(rest, True, True, True, True, True, shape.c2p)
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, c2p_sc, p2c_sc = _pop(rest, True, True, True, True, True, shape.c2p,
+                                                               shape.p2c)
     step = pl.program_id(3)
     query_tile, key_tile = tiles(pl.program_id(2), step)
 
@@ -396,8 +418,10 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
         l_sc[...] = jnp.zeros_like(l_sc)
         acc_sc[...] = jnp.zeros_like(acc_sc)
 
+    c2p_carry = (c2p_sc, _band_edges(shape, tiles)[0]) if shape.c2p else None
+    p2c_carry = (p2c_sc.at[key_tile], _column_edges(shape, query_tile, key_tile, False)[0]) if shape.p2c else None
     s, _, _ = _scores(shape, q_ref[...], k_ref[...], options, _attended(shape, mask_ref, query_tile, key_tile),
-                      query_tile, key_tile, restart=_band_edges(shape, tiles)[0], c2p_carried=c2p_sc)
+                      query_tile, key_tile, c2p_carry, p2c_carry)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     correction = jnp.exp(m_prev - m_new)
@@ -416,7 +440,7 @@ def _forward_kernel(*refs, shape: KernelShape, tiles):
 
 # ------------------------------------------------------------------------------------------------ backward
 def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_tile, do, lse, delta,
-                restart, p2c_carried):
+                c2p_carry, p2c_carry):
     """For one tile: the probabilities as the forward pass weighed the values (after dropout), the gradient of the
     scores before the temperature (`combine_scores`' sum; masked keys get none), and the temperature's gradient
     per query (`[T, 1]`, None without one).
@@ -424,8 +448,7 @@ def _score_grad(shape: KernelShape, q, k, v, options, mask_ref, query_tile, key_
     With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
     probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
     attended = _attended(shape, mask_ref, query_tile, key_tile)
-    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile, restart=restart,
-                                     p2c_carried=p2c_carried)
+    s, scores, temperature = _scores(shape, q, k, options, attended, query_tile, key_tile, c2p_carry, p2c_carry)
     p = jnp.exp(s - _to_column(lse))
     keep = _keep(shape, options)
     dp = dropout_masks.apply(_dot_t(do, v), keep, shape.dropout_rate)
@@ -458,14 +481,17 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     p2c's products share halves between consecutive steps, as its scores do (`_position_product`): the key tile is
     fixed and the pair's distances move one tile per step, so the right half of a step's per-distance gradient
     multiplies the same `[d, T]` table rows as the next step's left half. The two are summed first (`p2c_pending`)
-    and each block of rows takes one product for dk and one for its table gradient. A far pair's position terms
+    and each block of rows takes one product for dk and one for its table gradient. c2p's do the same along each
+    query tile's column: the next key tile meets the query tile one row later, one tile of distances further, so
+    its scores' right half and its pending gradient (for dq and the table) are kept per query tile, in VMEM for
+    the whole sequence (`c2p_carried`, `c2p_pending`: `[tiles, T, T]` float32 each). A far pair's position terms
     are end terms: their gradients are the score gradient's row sums (c2p's, per query, over the sequence) and
     column sums (p2c's, per key)."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
     on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature, shape.far_c2p, shape.far_p2c)
     dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_ce_ref, d_pe_ref = _pop(rest, *on)
     dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, ce_acc, pe_acc = _pop(rest, *on)
-    p2c_carried, p2c_pending = _pop(rest, shape.p2c, shape.p2c)
+    p2c_carried, p2c_pending, c2p_carried, c2p_pending = _pop(rest, shape.p2c, shape.p2c, shape.c2p, shape.c2p)
     t = shape.tile
     step = pl.program_id(3)
     last_step = step == pl.num_programs(3) - 1
@@ -474,6 +500,7 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     sequence_last = (pl.program_id(2) == pl.num_programs(2) - 1) & last_step
     head_first, head_last = _head_steps()
     band_start, band_end = _band_edges(shape, tiles)
+    column_start, column_end = _column_edges(shape, query_tile, key_tile, True)
 
     @pl.when(step == 0)
     def _():
@@ -494,8 +521,10 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
                 acc[...] = jnp.zeros_like(acc)
 
     q, k, do = q_ref[...], k_ref[...], do_ref[...]
+    c2p_carry = (c2p_carried.at[query_tile], column_start) if shape.c2p else None
+    p2c_carry = (p2c_carried, band_start) if shape.p2c else None
     p, d_scores, dt = _score_grad(shape, q, k, v_ref[...], options, mask_ref, query_tile, key_tile, do,
-                                  lse_ref[...], delta_ref[...], band_start, p2c_carried)
+                                  lse_ref[...], delta_ref[...], c2p_carry, p2c_carry)
     ds = d_scores / shape.divisor  # the gradient of the raw sum q.k + c2p + p2c
     rows = _query_rows(shape, query_tile)
     columns = _table_columns(shape, -1, query_tile, key_tile)
@@ -506,10 +535,20 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     @pl.when(shape.near(query_tile, key_tile))
     def _():
         if shape.c2p:
-            ec_rows = options.ec[:, columns]
             per_distance_raw = (_unskew(d_scores, t) if per_distance is None else per_distance) / shape.divisor
-            dq_sc[rows, :] += _dot_t(per_distance_raw.astype(ec_rows.dtype), ec_rows)
-            ec_acc[:, columns] += _dot(q.T.astype(jnp.float32), per_distance_raw)
+            left, right = (_table_columns(shape, -1, query_tile, key_tile, offset=half, width=1) for half in (0, 1))
+            pending = c2p_pending.at[query_tile]
+            # Uninitialised at a column's first pair: selected away, never added.
+            merged = per_distance_raw[:, :t] + jnp.where(column_start, 0.0, pending[...])
+            pending[...] = per_distance_raw[:, t:]
+            dq_sc[rows, :] += _dot_t(merged.astype(options.ec.dtype), options.ec[:, left])
+            ec_acc[:, left] += _dot(q.T.astype(jnp.float32), merged)
+
+            @pl.when(column_end)
+            def _():
+                rest = pending[...]
+                dq_sc[rows, :] += _dot_t(rest.astype(options.ec.dtype), options.ec[:, right])
+                ec_acc[:, right] += _dot(rest.T, q.astype(jnp.float32)).T  # as p2c's flush below
         if shape.p2c:
             per_key = _unskew(ds.T, t)  # per (key, distance)
             left, right = (_table_columns(shape, 1, query_tile, key_tile, offset=half, width=1) for half in (0, 1))
@@ -566,16 +605,16 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
-# Matrix-unit products, in units of one `[T, d] x [d, T]`: (per tile pair, more per near pair, more per band of near
-# pairs). Forward: q.k and p @ v; a near pair's c2p `[T, 2T]` product is one unit (the half it shares with the last
-# step is kept, `_position_product`) plus one where its band starts; p2c's two, since its side moves every step.
-# Backward: q.k, dp, ds @ k, ds^T @ q, p^T @ do; a near pair's c2p scores (2), its share of dq (`[T, 2T] x [2T, d]`,
-# 2) and its table's gradient (`[d, T] x [T, 2T]`, 2); p2c's scores, share of dk and table gradient one unit each,
-# its halves shared across steps, plus three at the band's ends. A far pair's position terms are end terms: no
-# products.
+# Matrix-unit products, in units of one `[T, d] x [d, T]`: (per tile pair, more per near pair, more per tile). Forward:
+# q.k and p @ v; a near pair's c2p `[T, 2T]` product is one unit (the half it shares with the last step is kept,
+# `_position_product`) plus one where its row's band of near pairs starts; p2c's likewise along its column.
+# Backward: q.k, dp, ds @ k, ds^T @ q, p^T @ do; a near pair's p2c scores, share of dk and table gradient one unit
+# each (halves shared along the row), plus three at the row band's ends; c2p's the same along the column. Every
+# row and every column holds one band (its diagonal pair is near), so the bands cost a fixed amount per tile. A far
+# pair's position terms are end terms: no products.
 _PRODUCTS = {
-    "_forward_kernel": lambda s: (2, s.c2p + 2 * s.p2c, s.c2p),
-    "_backward_kernel": lambda s: (5, 6 * s.c2p + 3 * s.p2c, 3 * s.p2c),
+    "_forward_kernel": lambda s: (2, s.c2p + s.p2c, s.c2p + s.p2c),
+    "_backward_kernel": lambda s: (5, 3 * (s.c2p + s.p2c), 3 * (s.c2p + s.p2c)),
 }
 
 
@@ -589,9 +628,9 @@ def _cost(kernel, shape: KernelShape, grid, inputs, tables, resident: str | None
     b, h, _, d = inputs[0][0].shape
     pairs = b * h * grid[2] * grid[3]
     unit = 2 * shape.tile ** 2 * d
-    every, near, band = _PRODUCTS[kernel.__name__](shape)
-    visits = shape.near_visits(backward=kernel is _backward_kernel)
-    units = every * visits.size + near * int(visits.sum()) + band * int(visits.any(axis=1).sum())
+    every, near, per_tile = _PRODUCTS[kernel.__name__](shape)
+    near_pairs = int(shape.near_pairs(backward=kernel is _backward_kernel).sum())
+    units = every * grid[2] * grid[3] + near * near_pairs + per_tile * shape.num_tiles
     streamed = sum(x.size * x.dtype.itemsize * (1 if side == resident else grid[3]) * (b * h // math.prod(x.shape[:2]))
                    for x, (_, side) in zip(*inputs))
     streamed += sum(x.size * x.dtype.itemsize * b for x in tables)
@@ -678,8 +717,9 @@ def _forward(shape: KernelShape, q, k, v, mask, options):
         [pl.BlockSpec((None, None, t, d), lambda b_, h_, i, j: (b_, h_, i, 0)),
          pl.BlockSpec((None, None, 1, t), lambda b_, h_, i, j: (b_, h_, 0, i))],
         [pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, 1), jnp.float32), pltpu.VMEM((t, d), jnp.float32)]
-        + [pltpu.VMEM((t, t), jnp.float32)] * shape.c2p,
-        (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY), resident="q")
+        + [pltpu.VMEM((t, t), jnp.float32)] * shape.c2p + [pltpu.VMEM((n, t, t), jnp.float32)] * shape.p2c,
+        # p2c's carried products pass from one query tile to the next: those run in order.
+        (_PARALLEL, _PARALLEL, _ARBITRARY if shape.p2c else _PARALLEL, _ARBITRARY), resident="q")
     return out, lse
 
 
@@ -727,7 +767,8 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
              (shape.far_p2c, p2c_ends, pl.BlockSpec((None, None, 2, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
               pltpu.VMEM((2, t), jnp.float32))]
     on = [item for item in items if item[0]]
-    carried = [pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c)  # p2c's carried products and pending gradient
+    # p2c's carried products and pending gradient, a tile's; c2p's, every query tile's.
+    carried = [pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c) + [pltpu.VMEM((n, t, t), jnp.float32)] * (2 * shape.c2p)
     tables_accumulate = shape.c2p or shape.p2c or shape.bias
     dk, dv, dq, *rest = _call(
         _backward_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs,
@@ -770,6 +811,10 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
                         temperature=terms.temperature is not None,
                         window=terms.window if terms.window < length else 0,
                         ends=saturation(terms.relative.by_distance, length, length) if relative else None)
+    if shape.ends is not None and shape.near_pairs(backward=False).sum() == shape.num_tiles * shape.key_band:
+        # The table reaches every distance the grid visits (it grows with the training length, and the model is
+        # not scored past it): no far pair, so no end terms to compute.
+        shape = dataclasses.replace(shape, ends=None)
     pad = shape.padded - length
 
     def padded(x):

@@ -356,15 +356,14 @@ def matrix_unit_flops(kernel_jaxpr) -> list[int]:
 
 
 def near_pairs(rel, n, tile, visits) -> np.ndarray:
-    """Whether each visited tile pair (`visits`: query tiles, key tiles) has a distance whose relative index is not
-    an outermost row (from the index itself: the pair's position products are needed)."""
-    query, key = visits
+    """`[query tiles, key tiles]`: whether a grid visits the pair (`visits`, a boolean matrix) and one of its
+    distances has a relative index that is not an outermost row (from the index itself: the pair needs position
+    products)."""
+    tiles = np.arange(visits.shape[0]) * tile
     a = np.arange(tile)
-    distance = (query * tile)[..., None, None] + a[:, None] - (key * tile)[..., None, None] - a
-    index = rel[np.clip(distance, -(n - 1), n - 1) + n - 1]
-    flat = index.reshape(index.shape[:-2] + (-1,))
-    outermost = (flat == rel[0]).all(-1) | (flat == rel[-1]).all(-1)
-    return ~outermost
+    distance = tiles[:, None, None, None] + a[:, None] - tiles[None, :, None, None] - a
+    index = rel[np.clip(distance, -(n - 1), n - 1) + n - 1].reshape(visits.shape + (-1,))
+    return visits & ~((index == rel[0]).all(-1) | (index == rel[-1]).all(-1))
 
 
 def pallas_calls(jaxpr) -> dict:
@@ -379,34 +378,43 @@ def pallas_calls(jaxpr) -> dict:
     return calls
 
 
+def traced_costs(terms_on, window, tile=8):
+    """Per kernel: (its cost estimate's FLOPs per sequence and head, the FLOPs of its traced products outside any
+    conditional / under one / under two, its grid's (rows, steps), the pairs it visits as `[query tile, key tile]`)."""
+    terms, v, key_mask = table_inputs(terms_on, R // 2 if terms_on else 0)
+    terms = dataclasses.replace(terms, window=window)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda terms, v: jnp.sum(pallas_tpu_attention(terms, v, key_mask, tile=tile)),
+                                    argnums=(0, 1)))(terms, v)
+    calls = pallas_calls(jaxpr.jaxpr)
+    assert sorted(calls) == ["backward_kernel", "forward_kernel"]
+    costs = {}
+    for name, params in calls.items():
+        backward = name == "backward_kernel"
+        grid = params["grid_mapping"].grid
+        rows, steps = np.meshgrid(np.arange(grid[2]), np.arange(grid[3]), indexing="ij")
+        shape = KernelShape(terms.q.shape[2], tile, 1.0, False, False, window=window)
+        with jax.ensure_compile_time_eval():
+            other = np.asarray(shape.query_tile(rows, steps) if backward else shape.key_tile(rows, steps))
+        visits = np.zeros((grid[2], grid[2]), bool)
+        visits[(other, rows) if backward else (rows, other)] = True
+        costs[name] = (params["cost_estimate"].flops // math.prod(grid[:2]), matrix_unit_flops(params["jaxpr"]),
+                       grid[2:], visits)
+    return costs, terms.relative.by_distance if terms_on else None, terms.q.shape[2]
+
+
 @pytest.mark.parametrize("terms_on,window", [(("c2p", "p2c"), 0), (("c2p", "p2c"), 12), (("c2p",), 0), (("p2c",), 0),
                                              ((), 0)])
 def test_cost_estimate_counts_the_products_the_kernels_run(terms_on, window):
     """The FLOPs each kernel reports to XLA's cost analysis (what the aot tables' TFLOP and rooflines add up) are
     the matrix-unit products its body runs, counted from the traced kernels, forward and backward: those outside
-    any conditional at every visited tile pair; with position terms, those under one conditional (the near
-    pairs' position products) at every pair whose distances are not all beyond the relative index's reach,
-    counted here from the index, and those under two (a carried product's first half, p2c's pending gradient)
-    once per grid row that has such pairs. Without position terms the kernels branch only on the row's ends."""
-    terms, v, key_mask = table_inputs(terms_on, R // 2 if terms_on else 0)
-    terms = dataclasses.replace(terms, window=window)
-    n, tile = terms.q.shape[2], 8
-    jaxpr = jax.make_jaxpr(jax.grad(lambda terms, v: jnp.sum(pallas_tpu_attention(terms, v, key_mask, tile=tile)),
-                                    argnums=(0, 1)))(terms, v)
-    calls = pallas_calls(jaxpr.jaxpr)
-    assert sorted(calls) == ["backward_kernel", "forward_kernel"]
-    shape = KernelShape(n, tile, 1.0, False, False, window=window)
-    far_pairs = 0
-    for name, params in calls.items():
-        backward = name == "backward_kernel"
-        rows, steps = params["grid_mapping"].grid[2:]
-        outer, step = np.arange(rows)[:, None], np.arange(steps)[None, :]
-        with jax.ensure_compile_time_eval():
-            visits = (np.asarray(shape.query_tile(outer, step)), outer + 0 * step) if backward else (
-                outer + 0 * step, np.asarray(shape.key_tile(outer, step)))
-        near = near_pairs(terms.relative.by_distance, n, tile, visits) if terms_on else np.ones((rows, steps), bool)
-        far_pairs += (~near).sum()
-        every, once, twice = matrix_unit_flops(params["jaxpr"])
-        per_head = every * near.size + (once * near.sum() + twice * near.any(axis=1).sum() if terms_on else once * rows)
-        assert params["cost_estimate"].flops == per_head * math.prod(params["grid_mapping"].grid[:2])
-    assert (far_pairs > 0) == bool(terms_on)  # the test reaches far pairs, with and without a window
+    any conditional at every visited tile pair; with position terms, those under one conditional (the position
+    products) at every near pair (one with a distance whose relative index is not an outermost row, counted here
+    from the index), and those under two (a carried product's first half, a pending gradient's flush) once per
+    band of near pairs: one along each grid row and one along each column, so once per tile for each term."""
+    tile = 8
+    kernels, rel, n = traced_costs(terms_on, window, tile)
+    for name, (estimate, (every, once, twice), (rows, steps), visits) in kernels.items():
+        near = near_pairs(rel, n, tile, visits) if terms_on else visits
+        assert near.any(axis=0).all() and near.any(axis=1).all()  # a band in every row and column
+        assert estimate == every * rows * steps + once * int(near.sum()) + twice * rows
+        assert (~near & visits).any() == bool(terms_on)  # the test reaches far pairs, with and without a window
