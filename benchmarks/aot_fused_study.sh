@@ -47,7 +47,10 @@ for slice in v5e:4x4:16 v5p:2x2x2:1; do
   aot "$tag-length" deberta "$topology" "$fsdp" --programs=length --length_kernels=pallas_tpu \
     --length_methods=log_length,window,window_global,interpolate_distances
 done
-{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*.md; } \
+# Each compile's rows, not the previous table.md, make the new one.
+rows=()
+for f in "$OUT"/*.md; do [ "$(basename "$f")" = table.md ] || rows+=("$f"); done
+{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
   > "$OUT/table.md.tmp"
-rm "$OUT"/*.md
+rm "${rows[@]}"
 mv "$OUT/table.md.tmp" "$OUT/table.md"

@@ -15,6 +15,13 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
   queries, transposed. A per-distance bias (ALiBi's, T5's table read per bucket) is expanded like the position
   keys, one row `[H, 1, 2N]`, and a tile's `[1, 2T]` slice of it, broadcast over the tile's queries, is rotated
   into place the same way.
+- Nothing of a `[T, 2T]` product is recomputed: along a grid row the side that stays (the forward's queries, the
+  backward's keys) meets the next tile's distances one tile further on, so the half of its product the two pairs
+  share is kept (`_position_product`); the side that moves (the forward's key tiles, the backward's query tiles)
+  meets each of its tiles again one row later, also one tile further on, so its shared half is kept per tile of
+  that side (`[tiles, T, T]` float32 in VMEM; the forward's query tiles then run in order). Each pair of either
+  side costs one `[T, T]` position product per term, as if only its own distances were multiplied, plus one per
+  row or column where that run of pairs starts.
 - Past some distance each way the relative index is constant (the outermost bucket, or the clipped row:
   `scores.saturation`), so a tile pair whose distances all lie beyond it (a far pair: at 2,048 tokens with
   DeBERTa-base's 256 buckets half the pairs, at 8,192 six in seven) reads one table row: its c2p is a column per
@@ -666,7 +673,8 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
     cost = _cost(kernel, shape, grid, inputs, tables, resident, out_shapes)
     # VMEM for every block twice (Pallas double-buffers them) and the scratch, plus 16 MiB for the tile's
     # intermediates, at least 32 MiB. v5e/v5p/v6e chips have 95-128 MiB: DeBERTa-base's whole-head tables (and the
-    # backward kernel's float32 accumulators of them and of the sequence's dq) reach that at about 24k tokens.
+    # backward kernel's float32 accumulators of them, of the sequence's dq and of c2p's carried halves, 1 KiB per
+    # token each at d = 64, T = 128) reach that at about 16k tokens.
     def block_bytes(spec, x):
         return math.prod(s for s in spec.block_shape if s is not None) * jnp.dtype(x.dtype).itemsize
     blocks = [block_bytes(s, x) for s, x in zip(in_specs, operands)]
@@ -768,7 +776,8 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
               pltpu.VMEM((2, t), jnp.float32))]
     on = [item for item in items if item[0]]
     # p2c's carried products and pending gradient, a tile's; c2p's, every query tile's.
-    carried = [pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c) + [pltpu.VMEM((n, t, t), jnp.float32)] * (2 * shape.c2p)
+    carried = ([pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c)
+               + [pltpu.VMEM((n, t, t), jnp.float32)] * (2 * shape.c2p))
     tables_accumulate = shape.c2p or shape.p2c or shape.bias
     dk, dv, dq, *rest = _call(
         _backward_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs,

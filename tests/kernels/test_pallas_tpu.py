@@ -413,7 +413,7 @@ def test_cost_estimate_counts_the_products_the_kernels_run(terms_on, window):
     band of near pairs: one along each grid row and one along each column, so once per tile for each term."""
     tile = 8
     kernels, rel, n = traced_costs(terms_on, window, tile)
-    for name, (estimate, (every, once, twice), (rows, steps), visits) in kernels.items():
+    for estimate, (every, once, twice), (rows, steps), visits in kernels.values():
         near = near_pairs(rel, n, tile, visits) if terms_on else visits
         assert near.any(axis=0).all() and near.any(axis=1).all()  # a band in every row and column
         assert estimate == every * rows * steps + once * int(near.sum()) + twice * rows
