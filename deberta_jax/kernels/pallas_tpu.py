@@ -25,10 +25,12 @@ TPU's vector unit runs slowly and Mosaic hardly supports. Here the terms are mat
 - Past some distance each way the relative index is constant (the outermost bucket, or the clipped row:
   `scores.saturation`), so a tile pair whose distances all lie beyond it (a far pair: at 2,048 tokens with
   DeBERTa-base's 256 buckets half the pairs, at 8,192 six in seven) reads one table row: its c2p is a column per
-  query, `q . pos_key[end]`, and its p2c a row per key. Those `[B, H, 2, N]` end terms (`_end_terms`, one per
-  outermost row) are `O(N d)` products outside the kernels, which read them as rows per tile; a far pair runs
-  BERT's products only, and the backward kernel returns its score gradient's row and column sums for them, which
-  autodiff carries back through the end terms to the queries, keys and tables.
+  query, `q . pos_key[end]`, and its p2c a row per key. The kernels take each table's two end rows (`[H, 2, d]`)
+  and form those terms in the tile on the vector unit (`_far_terms`: a multiply and a sum over d, `O(T d)` per
+  pair); a far pair runs BERT's products only. Backward, a far pair's c2p gradient is its score gradient's row sums
+  times the end row, added to dq at once, and its p2c gradient the column sums, kept per key tile and added to dk
+  when the tile is done; the end rows' gradients accumulate over the head. Nothing of the end terms passes
+  through HBM, so a far pair moves BERT's bytes too.
 - The softmax is FlashAttention's online softmax over key tiles (grid axis 3), saving each row's log-sum-exp.
 - With a window (`ScoreTerms.window`) a query tile visits only the band of key tiles its queries' windows reach
   (`KernelShape.key_band` of them, about `(T + W) / T + 1`): the grid's key axis is that band, and the index maps
@@ -300,14 +302,24 @@ def _position_terms(shape: KernelShape, q, k, options, query_tile, key_tile, c2p
 
     def far():
         out = jnp.zeros((t, t), jnp.float32)
-        if shape.c2p:  # rows [lo, hi] of the query tile's end terms -> its column
-            ends = options.c2p_ends[...]
-            out = out + _to_column(jnp.where(hi, ends[1:], ends[:1]))
-        if shape.p2c:
-            ends = options.p2c_ends[...]
-            out = out + jnp.where(hi, ends[1:], ends[:1])
+        if shape.c2p:  # a column per query
+            out = out + _far_terms(q, _end_row(options.c2p_rows, hi))
+        if shape.p2c:  # a row per key
+            out = out + _to_row(_far_terms(k, _end_row(options.p2c_rows, hi)))
         return out
     return jax.lax.cond(hi | lo, far, near)
+
+
+def _end_row(rows_ref, hi):
+    """`[1, d]` float32: the table's last row where the pair's distances are all past `d_hi`, else its first."""
+    rows = rows_ref[...].astype(jnp.float32)
+    return jnp.where(hi, rows[1:], rows[:1])
+
+
+def _far_terms(x, row):
+    """`x . row` per token of the tile, `[T, 1]` float32: a far pair's position term from one table row, on the
+    vector unit (a `[T, d] x [d, 1]` product would take the matrix unit for a whole `[T, T]` one)."""
+    return jnp.sum(x.astype(jnp.float32) * row, axis=1, keepdims=True)
 
 
 def _scores(shape: KernelShape, q, k, options, attended, query_tile, key_tile, c2p_carry, p2c_carry):
@@ -380,25 +392,25 @@ def _pop(refs: list, *on) -> list:
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys,
-    its queries' temperature (rows), the end terms of its queries (c2p) and keys (p2c) (two rows each), and the
-    head's expanded tables and bias."""
+    its queries' temperature (rows), the head's expanded tables and bias, and the two end rows (`[2, d]`: the
+    relative index's first and last) of c2p's table and of p2c's, which far pairs read."""
 
     query_hash: object
     key_hash: object
     temperature: object
-    c2p_ends: object
-    p2c_ends: object
     ec: object
     eq: object
     eb: object
+    c2p_rows: object
+    p2c_rows: object
 
 
 def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
     head = _pop(refs, *[True] * count)
-    on = (shape.dropout, shape.dropout, shape.temperature, shape.far_c2p, shape.far_p2c, shape.c2p, shape.p2c,
-          shape.bias)
+    on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c, shape.bias, shape.far_c2p,
+          shape.far_p2c)
     return head, _Options(*_pop(refs, *on)), refs
 
 
@@ -492,13 +504,15 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     query tile's column: the next key tile meets the query tile one row later, one tile of distances further, so
     its scores' right half and its pending gradient (for dq and the table) are kept per query tile, in VMEM for
     the whole sequence (`c2p_carried`, `c2p_pending`: `[tiles, T, T]` float32 each). A far pair's position terms
-    are end terms: their gradients are the score gradient's row sums (c2p's, per query, over the sequence) and
-    column sums (p2c's, per key)."""
+    are end terms (`_far_terms`): c2p's gradient is the score gradient's row sums times the end row, added to dq
+    then and there, p2c's the column sums, kept for the key tile (`p2c_far`) and added to dk with its other
+    gradients; the end rows' gradients are those sums against the queries and keys, accumulated over the head."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
     on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature, shape.far_c2p, shape.far_p2c)
-    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_ce_ref, d_pe_ref = _pop(rest, *on)
-    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, ce_acc, pe_acc = _pop(rest, *on)
-    p2c_carried, p2c_pending, c2p_carried, c2p_pending = _pop(rest, shape.p2c, shape.p2c, shape.c2p, shape.c2p)
+    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_cr_ref, d_pr_ref = _pop(rest, *on)
+    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, cr_acc, pr_acc = _pop(rest, *on)
+    p2c_carried, p2c_pending, c2p_carried, c2p_pending, p2c_far = _pop(
+        rest, shape.p2c, shape.p2c, shape.c2p, shape.c2p, shape.far_p2c)
     t = shape.tile
     step = pl.program_id(3)
     last_step = step == pl.num_programs(3) - 1
@@ -511,19 +525,19 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
     @pl.when(step == 0)
     def _():
-        for acc in (dk_sc, dv_sc, pe_acc, p2c_pending):
+        for acc in (dk_sc, dv_sc, p2c_far, p2c_pending):
             if acc is not None:
                 acc[...] = jnp.zeros_like(acc)
 
     @pl.when(sequence_first)
     def _():
-        for acc in (dq_sc, dt_sc, ce_acc):
+        for acc in (dq_sc, dt_sc):
             if acc is not None:
                 acc[...] = jnp.zeros_like(acc)
 
     @pl.when(head_first)
     def _():
-        for acc in (ec_acc, eq_acc, eb_acc):
+        for acc in (ec_acc, eq_acc, eb_acc, cr_acc, pr_acc):
             if acc is not None:
                 acc[...] = jnp.zeros_like(acc)
 
@@ -577,12 +591,14 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
         @pl.when(hi | lo)
         def _():
-            def by_end(sums):  # `[1, T]` -> `[2, T]`: the sums in the row of the pair's end (lo, hi)
+            def by_end(sums):  # `[1, x]` -> `[2, x]`: the sums in the row of the pair's end (lo, hi)
                 return jnp.concatenate([jnp.where(lo, sums, 0.0), jnp.where(hi, sums, 0.0)], axis=0)
             if shape.c2p:
-                ce_acc[:, rows] += by_end(_to_row(ds.sum(axis=1, keepdims=True)))
+                per_query = ds.sum(axis=1, keepdims=True)  # `[T, 1]`
+                dq_sc[rows, :] += per_query * _end_row(options.c2p_rows, hi)
+                cr_acc[...] += by_end(jnp.sum(per_query * q.astype(jnp.float32), axis=0, keepdims=True))
             if shape.p2c:
-                pe_acc[...] += by_end(ds.sum(axis=0, keepdims=True))
+                p2c_far[...] += by_end(ds.sum(axis=0, keepdims=True))
 
     dq_sc[rows, :] += _dot(ds.astype(k.dtype), k)
     if shape.temperature:
@@ -592,21 +608,25 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 
     @pl.when(last_step)
     def _():
+        if shape.far_p2c:  # the key tile's far column sums, by end, times that end's row
+            per_key = [_to_column(p2c_far[e:e + 1, :]) for e in (0, 1)]  # `[T, 1]` each
+            ends = options.p2c_rows[...].astype(jnp.float32)
+            dk_sc[...] += per_key[0] * ends[:1] + per_key[1] * ends[1:]
+            pr_acc[...] += jnp.concatenate(
+                [jnp.sum(x * k.astype(jnp.float32), axis=0, keepdims=True) for x in per_key], axis=0)
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
-        if shape.far_p2c:
-            d_pe_ref[...] = pe_acc[...]
 
     @pl.when(sequence_last)
     def _():
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
-        for acc, out in ((dt_sc, dt_ref), (ce_acc, d_ce_ref)):
-            if acc is not None:
-                out[...] = acc[...]
+        if shape.temperature:
+            dt_ref[...] = dt_sc[...]
 
     @pl.when(head_last)
     def _():
-        for acc, out in ((ec_acc, d_ec_ref), (eq_acc, d_eq_ref), (eb_acc, d_eb_ref)):
+        for acc, out in ((ec_acc, d_ec_ref), (eq_acc, d_eq_ref), (eb_acc, d_eb_ref), (cr_acc, d_cr_ref),
+                         (pr_acc, d_pr_ref)):
             if acc is not None:
                 out[...] = acc[...].astype(out.dtype)
 
@@ -618,7 +638,7 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
 # Backward: q.k, dp, ds @ k, ds^T @ q, p^T @ do; a near pair's p2c scores, share of dk and table gradient one unit
 # each (halves shared along the row), plus three at the row band's ends; c2p's the same along the column. Every
 # row and every column holds one band (its diagonal pair is near), so the bands cost a fixed amount per tile. A far
-# pair's position terms are end terms: no products.
+# pair's position terms are end terms on the vector unit (`_far_terms`): no products.
 _PRODUCTS = {
     "_forward_kernel": lambda s: (2, s.c2p + s.p2c, s.c2p + s.p2c),
     "_backward_kernel": lambda s: (5, 3 * (s.c2p + s.p2c), 3 * (s.c2p + s.p2c)),
@@ -658,10 +678,8 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
             b, h, i, j = order(*point)
             tile = tiles(i, j)[0 if side == "q" else 1]
             head = h if x.shape[1] > 1 else 0  # a row shared by the heads (a temperature without a head axis)
-            return {"token": (b, h, tile, 0), "row": (b, head, 0, tile), "ends": (b, h, 0, tile),
-                    "mask": (b, 0, tile)}[block]
-        shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "ends": (None, None, 2, t),
-                  "mask": (None, 1, t)}
+            return {"token": (b, h, tile, 0), "row": (b, head, 0, tile), "mask": (b, 0, tile)}[block]
+        shapes = {"token": (None, None, t, x.shape[-1]), "row": (None, None, 1, t), "mask": (None, 1, t)}
         return pl.BlockSpec(shapes[block], index)
 
     in_specs = [spec(x, block, side) for x, (block, side) in zip(*inputs)]
@@ -695,18 +713,18 @@ def _call(kernel, shape: KernelShape, grid, tiles, inputs, tables, out_shapes, o
 
 
 _TOKEN_Q, _TOKEN_K, _MASK = ("token", "q"), ("token", "k"), ("mask", "k")
-_ROW_Q, _ROW_K, _ENDS_Q, _ENDS_K = ("row", "q"), ("row", "k"), ("ends", "q"), ("ends", "k")
+_ROW_Q, _ROW_K = ("row", "q"), ("row", "k")
 _PARALLEL, _ARBITRARY = pltpu.GridDimensionSemantics.PARALLEL, pltpu.GridDimensionSemantics.ARBITRARY
 
 
 def _options(shape: KernelShape, options):
-    """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables)."""
-    query_hash, key_hash, temperature, c2p_ends, p2c_ends, ec, eq, eb = options
+    """The optional operands that are on, in `_Options` order: (per-token rows and their blocks, tables: a head's
+    whole block each)."""
+    query_hash, key_hash, temperature, ec, eq, eb, c2p_rows, p2c_rows = options
     rows = [(x, block) for x, block, on in ((query_hash, _ROW_Q, shape.dropout), (key_hash, _ROW_K, shape.dropout),
-                                            (temperature, _ROW_Q, shape.temperature),
-                                            (c2p_ends, _ENDS_Q, shape.far_c2p), (p2c_ends, _ENDS_K, shape.far_p2c))
-            if on]
-    return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c), (eb, shape.bias)) if on]
+                                            (temperature, _ROW_Q, shape.temperature)) if on]
+    return rows, [x for x, on in ((ec, shape.c2p), (eq, shape.p2c), (eb, shape.bias), (c2p_rows, shape.far_c2p),
+                                  (p2c_rows, shape.far_p2c)) if on]
 
 
 def _inputs(shape: KernelShape, tokens, blocks, options):
@@ -760,24 +778,24 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
     sequence_row = pl.BlockSpec((None, None, 1, n_pad), lambda h_, b_, x, y: (b_, h_, 0, 0))
     whole_table = pl.BlockSpec((None, d, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0))
     accumulator = pltpu.VMEM((d, 2 * n_pad), jnp.float32)
-    _, _, temperature, c2p_ends, p2c_ends, ec, eq, eb = options
+    _, _, temperature, ec, eq, eb, c2p_rows, p2c_rows = options
     # (on, an array like the output, its spec, its float32 accumulator) in `_backward_kernel`'s order; the
-    # temperature's gradient per head is a row per sequence, like the log-sum-exp, and the end terms' gradients
-    # two rows per sequence (c2p's, by query) and per key tile (p2c's).
+    # temperature's gradient per head is a row per sequence, like the log-sum-exp; the end rows' gradients
+    # accumulate over the head, as the tables' do.
+    end_rows = pl.BlockSpec((None, 2, d), lambda h_, b_, x, y: (h_, 0, 0))
     items = [(True, k, key_tile, pltpu.VMEM((t, d), jnp.float32)), (True, v, key_tile, pltpu.VMEM((t, d), jnp.float32)),
              (True, q, sequence, pltpu.VMEM((n_pad, d), jnp.float32)), (shape.c2p, ec, whole_table, accumulator),
              (shape.p2c, eq, whole_table, accumulator),
              (shape.bias, eb, pl.BlockSpec((None, 1, 2 * n_pad), lambda h_, b_, x, y: (h_, 0, 0)),
               pltpu.VMEM((1, 2 * n_pad), jnp.float32)),
              (shape.temperature, lse, sequence_row, pltpu.VMEM((1, n_pad), jnp.float32)),
-             (shape.far_c2p, c2p_ends, pl.BlockSpec((None, None, 2, n_pad), lambda h_, b_, x, y: (b_, h_, 0, 0)),
-              pltpu.VMEM((2, n_pad), jnp.float32)),
-             (shape.far_p2c, p2c_ends, pl.BlockSpec((None, None, 2, t), lambda h_, b_, x, y: (b_, h_, 0, x)),
-              pltpu.VMEM((2, t), jnp.float32))]
+             (shape.far_c2p, c2p_rows, end_rows, pltpu.VMEM((2, d), jnp.float32)),
+             (shape.far_p2c, p2c_rows, end_rows, pltpu.VMEM((2, d), jnp.float32))]
     on = [item for item in items if item[0]]
-    # p2c's carried products and pending gradient, a tile's; c2p's, every query tile's.
+    # p2c's carried products and pending gradient, a tile's; c2p's, every query tile's; the key tile's far sums.
     carried = ([pltpu.VMEM((t, t), jnp.float32)] * (2 * shape.p2c)
-               + [pltpu.VMEM((n, t, t), jnp.float32)] * (2 * shape.c2p))
+               + [pltpu.VMEM((n, t, t), jnp.float32)] * (2 * shape.c2p)
+               + [pltpu.VMEM((2, t), jnp.float32)] * shape.far_p2c)
     tables_accumulate = shape.c2p or shape.p2c or shape.bias
     dk, dv, dq, *rest = _call(
         _backward_kernel, shape, (h, b, n, shape.query_band), lambda j, i: (shape.query_tile(j, i), j), inputs,
@@ -785,11 +803,11 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
         [scratch for _, _, _, scratch in on] + carried,
         (_PARALLEL, _ARBITRARY if tables_accumulate else _PARALLEL, _ARBITRARY, _ARBITRARY), resident="k",
         order=order)
-    d_ec, d_eq, d_eb, dt, d_ce, d_pe = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature,
+    d_ec, d_eq, d_eb, dt, d_cr, d_pr = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature,
                                             shape.far_c2p, shape.far_p2c)
     if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)
-    d_options = (None, None, dt, d_ce, d_pe, d_ec, d_eq, d_eb)
+    d_options = (None, None, dt, d_ec, d_eq, d_eb, d_cr, d_pr)
     return dq, dk, dv, None, d_options
 
 
@@ -829,7 +847,7 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     def padded(x):
         return jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
-    hashes = query_hash = key_hash = temperature = c2p_ends = p2c_ends = ec = eq = eb = None
+    hashes = query_hash = key_hash = temperature = ec = eq = eb = c2p_rows = p2c_rows = None
     if dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch (below) reads its sequences' hashes, so the mask does not depend on the sharding.
@@ -844,9 +862,9 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # Transposed, `[H, d, 2N]`: distances along lanes, so a head's table fills VMEM without padding d.
         ec = jnp.swapaxes(terms.pos_key[:, reverse], 1, 2) if shape.c2p else None
         eq = jnp.swapaxes(terms.pos_query[:, forward], 1, 2) if shape.p2c else None
-        rel = terms.relative.by_distance
-        c2p_ends = _end_terms(padded(q), terms.pos_key, rel) if shape.far_c2p else None
-        p2c_ends = _end_terms(padded(k), terms.pos_query, rel) if shape.far_p2c else None
+        ends = np.asarray(terms.relative.by_distance)[[0, -1]]  # the rows far pairs read, `[H, 2, d]` each
+        c2p_rows = terms.pos_key[:, ends] if shape.far_c2p else None
+        p2c_rows = terms.pos_query[:, ends] if shape.far_p2c else None
     if shape.bias:  # laid out like the position keys: a tile's slice rotates into place as c2p's products do
         _, reverse = expand_tables(np.arange(2 * length - 1), shape)
         eb = terms.bias[:, None, reverse].astype(jnp.float32)
@@ -858,10 +876,10 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         # splits over all of its axes (`train.sharding.batch_sharding`); the tables and the bias are replicated.
         rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
         attend = jax.shard_map(attend, mesh=mesh,
-                               in_specs=(rows, rows, rows, rows, (rows,) * 5 + (whole,) * 3),
+                               in_specs=(rows, rows, rows, rows, (rows,) * 3 + (whole,) * 5),
                                out_specs=(rows, rows), check_vma=False)
     out, lse = attend(padded(q), padded(k), padded(v), mask,
-                      (query_hash, key_hash, temperature, c2p_ends, p2c_ends, ec, eq, eb))
+                      (query_hash, key_hash, temperature, ec, eq, eb, c2p_rows, p2c_rows))
     out = out[:, :, :length]
     if terms.global_keys is not None and shape.window:
         out = _merge_global_keys(terms, v, out, lse[:, :, 0, :length], shape, hashes)
