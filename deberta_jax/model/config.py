@@ -77,8 +77,8 @@ class ModelConfig:
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
     "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.kernels.pallas`;
     interpret mode elsewhere; no attention dropout in training), "pallas_tpu" fuses both passes for TPUs
-    (`deberta_jax.kernels.pallas_tpu`; every variant, dropout, the temperature and the window, but not the
-    window's global tokens). All give the same results to float rounding and load the same parameters, so a model
+    (`deberta_jax.kernels.pallas_tpu`; every variant, dropout, the temperature and the window with its global
+    tokens). All give the same results to float rounding and load the same parameters, so a model
     trained with one can be evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
