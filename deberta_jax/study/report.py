@@ -355,9 +355,9 @@ def _by_offset(rows: pd.DataFrame, title: str) -> list[str]:
     return [f"## {title}, loss by offset of the target span", "", markdown_table(table), ""]
 
 
-def ablation_table(means: Iterable[dict] | pd.DataFrame, policy: str, multiples=(1, 2, 4, 8)) -> str:
-    """One row per variant: chunked loss and accuracy at each multiple of L, per dataset, and the
-    loss change from 1x to the largest multiple (mean over seeds of each run's own change, so the
+def ablation_table(means: Iterable[dict] | pd.DataFrame, policy: str, multiples: Sequence[int]) -> str:
+    """One row per variant: chunked loss and accuracy at each multiple of L the study scored, per dataset,
+    and the loss change from 1x to the largest multiple (mean over seeds of each run's own change, so the
     interval is the paired one).
 
     Models with a learned absolute table are shown under `policy` (the other policies are in

@@ -123,6 +123,8 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     assert f"    python train.py --config {plan.variants[0].config} --workdir {runs[0]['workdir']}" in text
     for label in ("bert-L16", "deberta-L16", "unigram"):
         assert f"| {label} |" in text
+    # The table's columns are the multiples the sweep scored, up to its largest.
+    assert f"| loss {plan.eval.multiples[-1]}x - 1x |" in text and "loss 8x" not in text
     assert (tmp_path / "report" / "loss_vs_length_brown_valid.png").is_file()
 
     # A second report reads every run's cached evaluation; changed eval settings invalidate it.
