@@ -65,10 +65,19 @@ def test_corpus_globs_in_a_bucket_read_as_local_files_and_key_the_cache_by_gener
     assert [entry[0] for entry in before] == [str(p) for p in remote_files]
     key = packing.cache_path(remote_spec, tokenizer, tmp_path / "cache")
     assert packing.cache_path(remote_spec, tokenizer, tmp_path / "cache") == key  # nothing written: the same key
+    # By content, the bucket's stored MD5 is the one the local bytes give, and the same bytes written again (a new
+    # generation) keep it.
+    by_content = packing.source_fingerprint(remote_spec, by_content=True)
+    assert by_content == [storage.checksum(local / name, "md5") for name in ("a/x.txt", "a-b/y.txt", "c.txt")]
+    storage.write_text(f"{bucket}/corpus/c.txt", files["c.txt"])
+    assert packing.source_fingerprint(remote_spec) != before
+    assert packing.source_fingerprint(remote_spec, by_content=True) == by_content
+    before = packing.source_fingerprint(remote_spec)
     storage.write_text(f"{bucket}/corpus/c.txt", files["c.txt"].replace("seven", "SEVEN"))  # the same size
     after = packing.source_fingerprint(remote_spec)
     assert after[:2] == before[:2] and after[2][:2] == before[2][:2] and after[2] != before[2]
     assert packing.cache_path(remote_spec, tokenizer, tmp_path / "cache") != key
+    assert packing.source_fingerprint(remote_spec, by_content=True)[2] != by_content[2]
 
     with pytest.raises(FileNotFoundError, match=f"{bucket}/corpus/none/\\*.txt: glob matched no files"):
         text.resolve_files(f"{bucket}/corpus/none/*.txt")

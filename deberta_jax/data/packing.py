@@ -191,15 +191,21 @@ def pack_documents(documents: Iterable[str], tokenizer: Tokenizer, seq_len: int)
     return rows.take(np.arange(rows.num_rows))
 
 
-def source_fingerprint(spec: str) -> object:
+def source_fingerprint(spec: str, by_content: bool = False) -> object:
     """What identifies the input text: the spec itself for Hub data, the canonical spec and generator version
     for synthetic data, else each file's `storage.identity` (locally its resolved path, size and mtime; in a
-    bucket its URL, size and generation, which every write of the object changes)."""
+    bucket its URL, size and generation, which every write of the object changes): cheap for a corpus larger
+    than memory, but a copy or a rewrite of the same text counts as new text.
+
+    `by_content`: each file's `storage.checksum` instead, which reads every local file once and stays the same for
+    the same bytes anywhere: for keys of results that take hours to compute from small files, like the length
+    study's, where a fresh copy of the data must not throw them away."""
     if synthetic.is_synthetic_spec(spec):
         return {"synthetic": synthetic.canonical_spec(spec), "generator": synthetic.GENERATOR_VERSION}
     if is_hf_spec(spec):
         return {"hf": spec}
-    return [storage.identity(path) for path in resolve_files(spec)]
+    key = storage.checksum if by_content else storage.identity
+    return [key(path) for path in resolve_files(spec)]
 
 
 def same_source(a: str, b: str) -> bool:

@@ -27,6 +27,7 @@ from deberta_jax.storage.paths import (
     StorageError,
     bucket,
     check_writable,
+    checksum,
     checksum_kind,
     filesystem,
     fingerprints,
@@ -48,7 +49,8 @@ from deberta_jax.storage.paths import (
     write_text,
 )
 
-__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_writable", "checksum_kind",
-           "create_new", "delete_version", "filesystem", "fingerprints", "glob", "identity", "is_remote", "local_copy",
-           "move_tree", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree", "replace_version",
-           "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes", "write_text"]
+__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_writable", "checksum",
+           "checksum_kind", "create_new", "delete_version", "filesystem", "fingerprints", "glob", "identity",
+           "is_remote", "local_copy", "move_tree", "path", "read_bytes", "read_text", "read_version", "reader",
+           "remove_tree", "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes",
+           "write_text"]

@@ -232,12 +232,29 @@ def fingerprints(root: PathLike, kind: str | None = None, skip: str = "") -> dic
         relative = key[len(prefix):] if key.startswith(prefix) else key
         if info.get("type") == "directory" or (skip and relative.rsplit("/", 1)[-1].startswith(skip)):
             continue
-        if kind == "md5" and info.get("md5Hash"):
-            out[relative] = "md5:" + info["md5Hash"]
-        else:  # no stored checksum of this kind: read the object
-            with reporting(root, "read"), fs.open(key, "rb") as f:
-                out[relative] = _hash_stream(f, kind)
+        out[relative] = _object_checksum(fs, key, info, kind, root)
     return out
+
+
+def checksum(file: PathLike, kind: str | None = None) -> str:
+    """One file's `fingerprints` checksum: what its bytes are, whatever its path or modification time (a copy of the
+    same text, or the same text written again, gives the same value). Reads a local file whole; an object's
+    stored MD5 comes from its metadata."""
+    file = path(file)
+    kind = kind or ("md5" if is_remote(file) else "sha256")
+    if not is_remote(file):
+        return _hash_file(file, kind)
+    fs = filesystem(file)
+    with reporting(file, "read"):
+        info = fs.info(_key(file))
+    return _object_checksum(fs, _key(file), info, kind, file)
+
+
+def _object_checksum(fs, key: str, info: dict, kind: str, where: AnyPath) -> str:
+    if kind == "md5" and info.get("md5Hash"):
+        return "md5:" + info["md5Hash"]
+    with reporting(where, "read"), fs.open(key, "rb") as f:  # no stored checksum of this kind: read the object
+        return _hash_stream(f, kind)
 
 
 def _hash_file(file: pathlib.Path, kind: str) -> str:

@@ -151,10 +151,11 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
     settings = study_settings(sweep)
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
-    # Keyed by what the files are (`storage.identity`: resolved path, size, mtime; in a bucket the object's
-    # generation), not how the config spells them.
+    # Keyed by the eval files' bytes, not their paths or modification times: a fresh copy of the same texts keeps
+    # hours of scoring.
     base = dict(settings=dataclasses.asdict(settings),
-                data_files={name: packing.source_fingerprint(spec) for name, spec in sweep.eval.data_files.items()})
+                data_files={name: packing.source_fingerprint(spec, by_content=True)
+                            for name, spec in sweep.eval.data_files.items()})
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     note = length_study.unpaired_note(
         (run["name"], storage.read_text(storage.path(run["workdir"]) / checkpoint.TOKENIZER_FILE)) for run in done)

@@ -138,10 +138,14 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     monkeypatch.chdir(tmp_path / "runs")
     plan.data_dir = "../data"
     sweep.evaluate_and_report(plan, runs, "report")
-    # ... but other eval files, or changed eval settings, are not.
+    # ... and so is a fresh copy of the same text (another file, another modification time) ...
     wikitext = tmp_path / "data" / "wikitext-2" / "test.txt"
     wikitext.unlink()
     wikitext.write_text((corpus / "valid.txt").read_text())
+    sweep.evaluate_and_report(plan, runs, "report")
+    # ... but another text of the same size, or changed eval settings, are not.
+    wikitext.write_text((corpus / "valid.txt").read_text().replace("a", "b"))
+    assert wikitext.stat().st_size == (corpus / "valid.txt").stat().st_size
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
     plan.data_dir = str(tmp_path / "data")
