@@ -171,7 +171,10 @@ def test_a_sweep_reads_its_runs_and_data_in_a_bucket_and_reports_there(local_run
 
     monkeypatch.setattr(sweep.length_study, "run_study", fail)
     sweep.evaluate_and_report(plan, runs, "report")  # every evaluation read back from the bucket
-    storage.write_text(f"{bucket}/data/corpus/test.txt", (corpus / "test.txt").read_text())  # a new generation
+    # The same bytes written again (a new generation) keep the evaluations; other bytes do not.
+    storage.write_text(f"{bucket}/data/corpus/test.txt", (corpus / "test.txt").read_text())
+    sweep.evaluate_and_report(plan, runs, "report")
+    storage.write_text(f"{bucket}/data/corpus/test.txt", (corpus / "test.txt").read_text() + "\none more line\n")
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
 
