@@ -3,6 +3,7 @@
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py               # run everything here
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode print  # one command per run
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode score --runs=bert-L64-s0
 
 A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*`
 overrides, plus seeds, training lengths, overrides common to all runs, and the evaluation settings.
@@ -13,7 +14,9 @@ cluster scheduler instead of running them; `--mode report` evaluates whatever ha
 run's evaluation is kept in its workdir (`length_eval.json`), so an interrupted report resumes and a
 finished one is rebuilt in seconds; it is keyed by the evaluation settings and by what the checkpoint and
 the eval files contain, so moving a workdir or spelling the data path differently keeps it, and retraining
-a run or changing an eval file does not.
+a run or changing an eval file does not. `--mode score --runs=...` evaluates only the named runs and writes
+no report, so runs can be scored side by side (a process per core or per machine) before one `--mode report`
+gathers them; a run is scored under its workdir's lock, so two processes never score it at once.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, config_checks, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
-flags.DEFINE_enum("mode", "run", ["run", "print", "report"],
+flags.DEFINE_enum("mode", "run", ["run", "print", "report", "score"],
                   "run: train missing runs here, then evaluate and report; print: write one command per run; "
-                  "report: evaluate finished runs and write the report.")
+                  "report: evaluate finished runs and write the report; score: evaluate only the --runs named.")
+flags.DEFINE_list("runs", [], "With --mode score: the runs to evaluate, by name (the last part of their workdir, "
+                  "e.g. deberta-L64-s0), comma-separated.")
 FLAGS = flags.FLAGS
 
 
@@ -142,13 +147,8 @@ def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, setti
     return records, skipped
 
 
-def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: str) -> str:
-    """Length-evaluate every finished run (each cached in its workdir) and a unigram floor, then write
-    raw results, summary, plots and REPORT.md."""
-    done = [r for r in runs if finished(r)]
-    missing = [r["name"] for r in runs if r not in done]
-    if not done:
-        raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
+def evaluation_inputs(sweep: config_dict.ConfigDict) -> tuple[length_study.StudySettings, dict, dict]:
+    """The study settings, the eval texts, and the part of every cached evaluation's key they make."""
     settings = study_settings(sweep)
     datasets = {name: load_documents(spec) for name, spec in sweep.eval.data_files.items()}
     # Keyed by the eval files' bytes, not their paths or modification times: a fresh copy of the same texts keeps
@@ -156,16 +156,55 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
     base = dict(settings=dataclasses.asdict(settings),
                 data_files={name: packing.source_fingerprint(spec, by_content=True)
                             for name, spec in sweep.eval.data_files.items()})
+    return settings, datasets, base
+
+
+def score_run(run: dict, settings, datasets: dict, base: dict, corpora: dict) -> tuple[list, list]:
+    """One finished run's length evaluation, cached in its workdir, under the workdir's lock: a second process
+    scoring the same run (or training into it) is refused, naming the holder, instead of repeating the work."""
+    identity = checkpoint.content_fingerprint(run["workdir"], run["num_steps"])
+    with workdir_lock.hold(run["workdir"], what="deberta_jax.study.sweep scoring"):
+        return cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
+                            lambda: length_study.load_workdir_model(run["workdir"]), datasets, settings, corpora)
+
+
+def score_named(sweep: config_dict.ConfigDict, runs: list[dict], names: list[str]) -> None:
+    """`--mode score`: evaluates the named runs (each cached in its workdir) without writing a report."""
+    by_name = {run["name"]: run for run in runs}
+    if not names:
+        raise ValueError(f"--mode score needs the runs to evaluate: --runs={runs[0]['name']}[,...]; this sweep's "
+                         f"runs: {', '.join(by_name)}")
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(f"--runs: no run named {', '.join(unknown)} in this sweep; its runs: {', '.join(by_name)}")
+    unfinished = [name for name in names if not finished(by_name[name])]
+    if unfinished:
+        raise FileNotFoundError(f"--runs: {', '.join(unfinished)} not finished under {sweep.workdir_root} (no "
+                                "checkpoint at its final step); train it first (--mode run, or --mode print's "
+                                "command)")
+    settings, datasets, base = evaluation_inputs(sweep)
+    corpora = {}
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] evaluating {name}", flush=True)
+        score_run(by_name[name], settings, datasets, base, corpora)
+        print(f"[{i}/{len(names)}] {name}: {os.path.join(by_name[name]['workdir'], EVAL_CACHE)}", flush=True)
+
+
+def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: str) -> str:
+    """Length-evaluate every finished run (each cached in its workdir) and a unigram floor, then write
+    raw results, summary, plots and REPORT.md."""
+    done = [r for r in runs if finished(r)]
+    missing = [r["name"] for r in runs if r not in done]
+    if not done:
+        raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
+    settings, datasets, base = evaluation_inputs(sweep)
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     note = length_study.unpaired_note(
         (run["name"], storage.read_text(storage.path(run["workdir"]) / checkpoint.TOKENIZER_FILE)) for run in done)
     corpora, records, skipped = {}, [], []
     for i, run in enumerate(done, 1):
         print(f"[{i}/{len(done)}] evaluating {run['name']}", flush=True)
-        identity = checkpoint.content_fingerprint(run["workdir"], run["num_steps"])
-        recs, skips = cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
-                                   lambda run=run: length_study.load_workdir_model(run["workdir"]),
-                                   datasets, settings, corpora)
+        recs, skips = score_run(run, settings, datasets, base, corpora)
         records += recs
         skipped += skips
     # The floor every variant must beat (unigram counts from the shared training files and tokenizer) and, for
@@ -220,9 +259,14 @@ def main(argv):
     sweep = FLAGS.sweep
     sweep.config_path = config_flags.get_config_filename(FLAGS["sweep"])
     runs = planned_runs(sweep)
+    if FLAGS.runs and FLAGS.mode != "score":
+        raise ValueError(f"--runs applies to --mode score only (given with --mode {FLAGS.mode})")
     if FLAGS.mode == "print":
         for run in runs:
             print(shlex.join(run["command"]))  # with this interpreter: runs as printed from the repository root
+        return
+    if FLAGS.mode == "score":  # locks each run's workdir, not the root: scoring processes run side by side
+        score_named(sweep, runs, FLAGS.runs)
         return
     # One sweep per workdir root (each run's train.py also locks its own workdir).
     with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
@@ -233,5 +277,6 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["sweep"])
-    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.sweep"),
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.sweep",
+                                         also=(workdir_lock.WorkdirBusyError,)),
             flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "sweep"))

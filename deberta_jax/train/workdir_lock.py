@@ -15,8 +15,9 @@ generation precondition, so of two launches on any machines exactly one succeeds
 holder renews it every `RENEW_EVERY_S` by replacing it only if it is still the version it wrote, and deletes it on
 exit. Nothing tells a bucket that a process died, so a lock is taken over (with a warning naming the holder) when
 its holder stopped renewing it `STALE_AFTER_S` ago, or at once when the holder ran on this host and its PID no
-longer runs (a restart on the same VM). A holder that finds its lock replaced (it stalled past `STALE_AFTER_S`
-and another run took over) stops before its next checkpoint (`Holding.check`).
+longer runs (a restart on the same VM). An empty lock object holds nothing: it is a local workdir's released lock
+file, uploaded with the workdir. A holder that finds its lock replaced (it stalled past `STALE_AFTER_S` and another
+run took over) stops before its next checkpoint (`Holding.check`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int]:
             return record, generation
         current = storage.read_version(lock)
         if current is None:
+            continue
+        if not current.data.strip():  # a released local lock (an empty file), copied up with its workdir
+            storage.delete_version(lock, current.generation)
             continue
         holder, silent_s = _parse(current), time.time() - current.updated
         dead = _dead_here(holder)

@@ -14,6 +14,7 @@ from configs.sweeps import ablation, natural, synthetic
 from deberta_jax.data import errors
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
+from deberta_jax.train import workdir_lock
 from tests.helpers import REPO, variant_config, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
@@ -116,7 +117,17 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
         config = micro_variant_config(variant, corpus)
         config.train.num_steps = run["num_steps"]
         train.train_and_evaluate(config, run["workdir"])
+    # One run scored on its own (as a second process would, side by side): the report scores only the other.
+    sweep.score_named(plan, runs, [runs[1]["name"]])
+    scored, run_study = [], sweep.length_study.run_study
+    monkeypatch.setattr(sweep.length_study, "run_study",
+                        lambda models, *args: scored.append(models[0].label) or run_study(models, *args))
     report_path = sweep.evaluate_and_report(plan, runs, "run")
+    assert "bert-L16" in scored and "deberta-L16" not in scored
+    # A run another process is scoring (it holds the workdir's lock) is not scored twice: the report says who has it.
+    with workdir_lock.hold(runs[1]["workdir"], what="another scoring process"):
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="another scoring process"):
+            sweep.evaluate_and_report(plan, runs, "report")
     text = open(report_path).read()
     assert "by `--mode run`" in text and "configs/sweeps/ablation.py:smoke" in text
     # Each run's command as a user would type it: the interpreter named, not this machine's path to it.
@@ -152,6 +163,23 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     plan.eval.num_targets += 1
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
+
+
+def test_scoring_named_runs_refuses_unknown_or_unfinished_ones_naming_the_sweeps_runs(tmp_path):
+    plan = ablation.get_config("smoke")
+    plan.workdir_root = str(tmp_path / "runs")
+    runs = sweep.planned_runs(plan)
+    with pytest.raises(ValueError, match="needs the runs to evaluate: --runs=bert-L16-s0"):
+        sweep.score_named(plan, runs, [])
+    with pytest.raises(ValueError, match="no run named bert-L99-s0 in this sweep; its runs: bert-L16-s0, deberta"):
+        sweep.score_named(plan, runs, ["bert-L16-s0", "bert-L99-s0"])
+    with pytest.raises(FileNotFoundError, match="deberta-L16-s0 not finished .* train it first"):
+        sweep.score_named(plan, runs, ["deberta-L16-s0"])
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep",
+                             "configs/sweeps/ablation.py:smoke", "--mode", "report", "--runs=bert-L16-s0"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "--runs applies to --mode score only" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_flatten_builds_override_names():

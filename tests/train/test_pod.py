@@ -293,3 +293,7 @@ def test_the_bucket_lock_refuses_a_second_run_and_is_taken_over_when_its_holder_
         with pytest.raises(workdir_lock.WorkdirBusyError, match="was taken over by another run"):
             holding.check()
     assert json.loads(storage.read_text(lock))["host"] == "another-vm"  # the new holder's lock is left alone
+    # A workdir trained locally and copied up brings its released (empty) lock file: nobody holds it.
+    storage.write_text(f"{bucket}/uploaded/{workdir_lock.LOCK_FILE}", "")
+    with workdir_lock.hold(f"{bucket}/uploaded", stale_after_s=60):
+        assert json.loads(storage.read_text(f"{bucket}/uploaded/{workdir_lock.LOCK_FILE}"))["pid"] == os.getpid()
