@@ -159,7 +159,8 @@ def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
 
 
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
-    """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the last logged metrics.
+    """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the metrics logged at the last
+    step (none where a stop falls between two records).
     Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM."""
     workdir = storage.path(workdir)
     storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
@@ -270,7 +271,8 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     tokens_per_step = train_cfg.batch_size * seq_len
     writer = metrics_io.MetricsWriter(workdir, resume_step=start_step, enabled=is_main)
     bar = tqdm(total=train_cfg.num_steps, initial=start_step, desc="train", unit="step", disable=not is_main)
-    pending: list[tuple[int, dict]] = []  # (step, device metrics) not yet logged
+    # (step, metrics) not yet logged: a resumed run goes on with the window its checkpoint saved.
+    pending: list[tuple[int, dict]] = checkpoint.restore_log_window(manager, start_step) if start_step else []
     record: dict[str, float] = {}
     timer_start, timer_steps = time.perf_counter(), 0
 
@@ -296,7 +298,9 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
             preempted = watch.reached(step)  # the same step on every process
             final, stopping = step == train_cfg.num_steps, step == last_step or preempted
             record = {}
-            if step % train_cfg.log_every == 0 or stopping:
+            # Not at an early stop: its window goes into the checkpoint, and the record the resumed run writes at
+            # the next multiple of log_every averages the same steps as an uninterrupted run's.
+            if step % train_cfg.log_every == 0 or final:
                 pending = jax.device_get(pending)
                 check_pending_steps()
                 elapsed = time.perf_counter() - timer_start
@@ -318,7 +322,8 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
                 check_pending_steps()
                 if holding:
                     holding.check()
-                checkpoint.save(manager, state, eval_metrics)
+                pending = jax.device_get(pending)
+                checkpoint.save(manager, state, eval_metrics, log_window=pending)
             if preempted and not final:
                 raise preemption.Preempted(step, str(workdir / checkpoint.CHECKPOINT_DIR))
             if record or saving:  # time only training steps

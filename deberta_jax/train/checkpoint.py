@@ -3,11 +3,14 @@
 Layout of a workdir:
     config.json          the resolved config (its `model` section is the complete ModelConfig)
     tokenizer.json       the tokenizer the run trained or was given
-    checkpoints/<step>/  params + opt_state (orbax); `metrics` holds eval_loss at evaluation steps
+    checkpoints/<step>/  params + opt_state (orbax); `metrics` holds eval_loss at evaluation steps; `log_window`
+                         the training metrics of the steps since the last logged record
     metrics.jsonl, tensorboard/   written by `metrics_io`
 
 A checkpoint holds the parameters, the optimizer state and (as its name) the step. Nothing else is
-needed to resume exactly: data order, masks and dropout keys are functions of (seed, step).
+needed to resume exactly: data order, masks and dropout keys are functions of (seed, step). The log window (each
+step's metrics since the last record of metrics.jsonl) is saved beside them, so the first record after a resume
+averages the same steps as an uninterrupted run's.
 
 Retention: the latest `keep` checkpoints plus the single best by eval loss, in one orbax manager
 (`LatestN` or `BestN` preservation). Checkpoints without eval metrics never count as "best".
@@ -143,10 +146,19 @@ NO_ROOM = ("os_error_code='28'", "os_error_code='27'", "os_error_code='122'", "N
            "File too large", "Disk quota exceeded")
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None) -> None:
-    """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best."""
+LOG_WINDOW = "log_window"
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None,
+         log_window: list[tuple[int, dict]] = ()) -> None:
+    """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best;
+    `log_window` is `[(step, {name: host scalar})]` of the steps not yet logged (`restore_log_window`)."""
+    # Each value with its dtype, so the restored window averages to the very bits the uninterrupted run logs.
+    window = [{"step": step, "metrics": {name: [np.asarray(v).dtype.name, np.asarray(v).item()]
+                                         for name, v in metrics.items()}} for step, metrics in log_window]
     args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
-                              opt_state=ocp.args.StandardSave(state.opt_state))
+                              opt_state=ocp.args.StandardSave(state.opt_state),
+                              **{LOG_WINDOW: ocp.args.JsonSave({"steps": window})})
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
     step = int(state.step)
     try:
@@ -181,6 +193,16 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainStat
         raise DamagedCheckpointError(f"{_step_dir(manager, step)} holds NaN or inf values")
     step = jax.device_put(np.asarray(step, np.int32), abstract_state.step.sharding)
     return TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
+
+
+def restore_log_window(manager: ocp.CheckpointManager, step: int) -> list[tuple[int, dict]]:
+    """The log window saved with checkpoint `step` (`save`); empty for a checkpoint written before windows were
+    saved."""
+    if not (_step_dir(manager, step) / LOG_WINDOW).is_dir():
+        return []
+    saved = manager.restore(step, args=ocp.args.Composite(**{LOG_WINDOW: ocp.args.JsonRestore()}))[LOG_WINDOW]
+    return [(entry["step"], {name: np.asarray(value, dtype) for name, (dtype, value) in entry["metrics"].items()})
+            for entry in saved["steps"]]
 
 
 def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainState, workdir: str | Path

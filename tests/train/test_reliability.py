@@ -261,3 +261,36 @@ def _after_changes(path, count: int, process) -> float:
         if now != last:
             last, seen = now, seen + 1
     return time.monotonic()
+
+
+# ------------------------------------------------------------------------------------ preemption between records
+@pytest.mark.slow
+def test_a_run_stopped_and_preempted_between_records_logs_what_an_uninterrupted_run_logs(cache, tmp_path):
+    """Records every 7 steps: train.py stopped at step 3 (--stop_at_step), resumed and preempted by SIGTERM a few
+    steps later, then run to the end. No record is written at either stop, and the record at step 7 averages steps
+    1-7 (the windows ride in the checkpoints), so every logged value equals the uninterrupted run's."""
+    fields = overrides(cache, log_every=7)
+    straight = tmp_path / "straight"
+    train.train_and_evaluate(micro_config(cache, log_every=7), straight)
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path / "run"),
+               *[f"--config.{k}={v}" for k, v in fields.items()]]
+    subprocess.run(command + ["--stop_at_step=3"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    assert sorted(logged(tmp_path / "run")) == []
+    log = tmp_path / "resumed.log"
+    with open(log, "w") as f:
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
+    deadline = time.monotonic() + 240
+    # The progress bar starts just before SIGTERM is handled, and the first step then takes a second or so (data,
+    # compiled programs), so the signal lands well before step 7.
+    while "| 3/8 [" not in log.read_text() and process.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=240) == 143, log.read_text()[-3000:]
+    stopped = int(log.read_text().split("saved the checkpoint at step ")[1].split()[0])
+    assert 3 < stopped < 7
+    assert sorted(logged(straight)) == [4, 7, 8]  # the evaluation at step 4 is a record of its own
+    assert logged(tmp_path / "run") == {step: values for step, values in logged(straight).items() if step <= stopped}
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=300)
+    assert logged(tmp_path / "run") == logged(straight)
