@@ -11,22 +11,21 @@ import jax
 from deberta_jax.kernels.blockwise import blockwise_attention
 from deberta_jax.kernels.dense import dense_attention
 
-# The fused kernels: `pallas` implements neither attention dropout nor the length-aware options (window,
-# temperature; `ModelConfig` refuses them with it); `pallas_tpu` implements both.
+# The fused kernels, `pallas` (GPUs) and `pallas_tpu`, carry every variant, attention dropout and the length options.
 KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu")
 
 
 def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
-    """`dense`, `blockwise` (blocks of `block_size` keys), `pallas` (its forward pass fused for GPUs) or
-    `pallas_tpu` (forward and backward fused for TPUs; DeBERTa's terms from the projected tables)."""
+    """`dense`, `blockwise` (blocks of `block_size` keys), `pallas` (forward and backward fused for GPUs) or
+    `pallas_tpu` (for TPUs); the fused kernels take DeBERTa's projected tables, not its products."""
     if name == "dense":
         return dense_attention
     if name == "blockwise":
         return functools.partial(blockwise_attention, block_size=block_size)
     if name == "pallas":
-        # Imported on demand: only this kernel needs Pallas and its Triton lowering.
+        # Imported on demand: only the fused kernels need Pallas.
         from deberta_jax.kernels.pallas import pallas_attention
-        return functools.partial(pallas_attention, block_size=block_size)
+        return pallas_attention
     if name == "pallas_tpu":
         from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
         return pallas_tpu_attention

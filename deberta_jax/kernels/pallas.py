@@ -1,31 +1,45 @@
-"""A fused Pallas (Triton) forward pass of blockwise attention for every variant, DeBERTa's included.
+"""Fused attention for GPUs (Pallas on Triton), forward and backward, for every variant, memory linear in length.
 
-The JAX kernels (`dense`, `blockwise`) hand the score terms to XLA one `[B, H, N, block]` slab at a
-time; every slab is written to memory and read back for the softmax. This kernel scores a
-`TILE x TILE` tile of queries and keys where it is used, in on-chip memory, as FlashAttention does:
-one program per (sequence, head, query tile) loops over key tiles with an online softmax and writes
-only the output and the log-sum-exp. DeBERTa's position terms are read inside the tile:
-`c2p[i, idx(i - j)]` and `p2c[j, idx(i - j)]` are gather loads from the `[N, R]` products, with the
-row index `idx` itself gathered from the per-distance table (`ScoreTerms.relative`), so no
-`[N, N]` tensor exists anywhere. ALiBi and T5 read their per-distance bias the same way; RoPE
-arrives already rotated.
+FlashAttention-2's structure: the forward pass runs one program per (sequence, head, query tile), which walks its
+key tiles with an online softmax in registers and writes only the output and each row's log-sum-exp. The backward
+pass runs one program per (sequence, head, tile) that first walks the query tiles of its key tile (recomputing
+each pair's probabilities from the log-sum-exp, accumulating dk and dv) and then the key tiles of its query tile
+(accumulating dq), so nothing is accumulated across programs and no atomics are needed. Which tile pairs a
+program visits is the tiling plan the TPU kernel walks too (`tiling.KernelShape`): all of them, or with a window
+the band of tiles its windows reach, so a windowed call costs `O(N W)`.
 
-Only the forward pass is fused. Gradients come from the blockwise kernel's FlashAttention backward
-(`blockwise._online_softmax_bwd`), which recomputes each key block's scores from the log-sum-exp this
-kernel saves, so training through it keeps memory linear in length too. There is no attention
-dropout in the fused pass yet: the blockwise backward pass regenerates the mask from positions
-(`dropout_masks.attention_keep`, int32 multiplies, xors and shifts that Triton has too), but the forward hook takes
-no dropout key and this kernel no hashes of positions, as the TPU kernel does. With a dropout rate and a dropout key
-(training) the call is refused with the fix.
+DeBERTa's position terms are read inside the tile. The projected tables (`[H, R, d]`) are multiplied by the
+queries (c2p) and keys (p2c) once per call outside the kernels, `[B, H, N, R]` (linear in length; recomputed in
+the backward pass rather than saved), and a tile gathers `c2p[i, idx(i - j)]` and `p2c[j, idx(i - j)]` with the
+row per distance gathered from the relative index: a GPU loads scattered elements from its caches where a TPU
+wants matrix-unit work (`kernels.pallas_tpu`'s skewed products). ALiBi and T5 read their per-distance bias the
+same way.
 
-On a GPU the kernel is compiled by Triton. On CPU and TPU it runs in Pallas' interpret mode, which
-executes the same kernel body with XLA ops one program at a time: exact, and slow, meant for tests.
-The tile's scores go through the same `scores.combine_scores` and `scores.mask_keys` as the other kernels'
-(tested against the dense kernel).
+The gradient of a gathered term is a sum, per token and table row, of the score gradients whose distance reads
+that row. Past some distance each way the relative index is constant (`scores.saturation`), so the backward
+kernel writes each token's score gradient per distance only for the distances nearer than that (every
+`(token, distance)` once: plain stores, no atomics), and sums the far ones per token and end: the far pairs' end
+terms. XLA then multiplies them by the table rows of the band's distances (the side's gradient) and by the tokens,
+adding the distances that read the same row (the table's). A T5 bias's gradient is the same per-distance
+gradient summed over the queries (`ScoreTerms.bias_index` says where its buckets saturate); ALiBi's bias is a
+constant and gets none. The per-distance buffers are `[B, H, N, W]` in the inputs' dtype for the W distances
+before saturation (DeBERTa-base's 256 buckets reach 511 each way, so W = 1,021): linear in length with the
+published tables, quadratic with a table grown to the sequence.
+
+Attention dropout is drawn in the tile from hashes of its query and key positions (`dropout_masks.attention_keep`,
+the dense kernel's mask), and drawn again in the backward pass. A temperature scales each query's score row, and
+its gradient per query is accumulated with dq. A window's global keys (a row's first and last real tokens, seen
+by every query) lie in tiles the band skips: they are scored outside and merged through the log-sum-exp, as the
+TPU kernel does (`tiling.merge_global_keys`).
+
+Triton compiles the kernels for any NVIDIA GPU from Ampere on (Hopper included) when a program is lowered for
+CUDA, also from a machine without a GPU (`deberta_jax.aot`); lowered for any other platform, Pallas interprets
+them: exact, slow, for tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,154 +48,504 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from deberta_jax.kernels.blockwise import Blocks, blockwise_attention
-from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys
+from deberta_jax.kernels import dropout_masks
+from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, combine_scores, mask_keys, saturation
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys
 
-# Queries and keys per tile. Triton needs powers of two; 64 x 64 float32 scores plus the position
-# gathers fit a GPU thread block's registers with room to spare.
+# Queries and keys per tile. Triton wants powers of two of at least 16; 64 x 64 float32 scores, their gathers and
+# the accumulators fit a thread block's registers at head sizes up to 128.
 TILE = 64
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the kernels of one call need besides the tiling plan (static)."""
+
+    shape: KernelShape  # its `ends` are those of the index below
+    head_dim: int  # padded to a power of two
+    relative: RelativeIndex | None  # DeBERTa's row per distance (`scores.distances` order), None without its terms
+    bias_grad: bool  # the bias gets a gradient (T5's table is behind it; ALiBi's is a constant): set per call
+    # The distances whose gradient is kept per token: `band_lo .. band_lo + band_width - 1`; the others are summed
+    # per token and end (distances <= d_lo, >= d_hi).
+    band_lo: int
+    band_width: int
+
+    @property
+    def ends(self) -> tuple[int, int] | None:
+        return self.shape.ends
+
+    @property
+    def query_grads(self) -> bool:
+        """Whether the backward kernel writes a per-distance gradient per query (c2p's, a trainable bias's)."""
+        return self.shape.c2p or self.bias_grad
+
+    @property
+    def grad_columns(self) -> int:
+        """Columns of a per-distance gradient block: the band and one column that takes every other distance's
+        stores (discarded), padded to a power of two for Triton."""
+        return pl.next_power_of_2(self.band_width + 1)
 
 
-def _per_distance_for_padding(table, key_len: int, padded_queries: int, padded_keys: int):
-    """Re-index a per-distance table (`scores.distances(Nq, key_len)` order) for padded sizes.
-
-    Entry `i - j + padded_keys - 1` of the result is the original entry for `i - j`; distances that
-    exist only between padding positions repeat the nearest real one (their scores are discarded).
-    """
-    original = table.shape[-1]
-    index = np.arange(padded_queries + padded_keys - 1) - (padded_keys - 1) + (key_len - 1)
-    index = np.clip(index, 0, original - 1)
-    if isinstance(table, np.ndarray):
-        return table[..., index]
-    return jnp.take(table, index, axis=-1)
+def _pad(x, axis: int, size: int, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
 
 
-def _attention_kernel(*refs, has_c2p: bool, has_p2c: bool, has_bias: bool, divisor: float, key_len: int,
-                      num_key_tiles: int, padded_keys: int):
-    """One (sequence, head, query tile) program: online softmax over every key tile."""
+def _per_distance(table, length: int, padded: int):
+    """A per-distance array (`scores.distances(length, length)` order, last axis) re-indexed for `padded` queries and
+    keys: entry `i - j + padded - 1`; distances only padding reaches repeat the nearest real one."""
+    index = np.clip(np.arange(2 * padded - 1) - (padded - 1), -(length - 1), length - 1) + length - 1
+    return table[..., index] if isinstance(table, np.ndarray) else jnp.take(table, index, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------- one tile
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """A program's inputs (refs of a `(sequence, head)` block: every token of the sequence), None when off."""
+
+    q: object
+    k: object
+    v: object
+    mask: object
+    query_hash: object
+    key_hash: object
+    temperature: object
+    c2p: object
+    p2c: object
+    rel: object
+    bias: object
+
+
+def _take(refs: list, *on) -> list:
+    """The next items of `refs` (consumed), one for each flag that is on, None for each that is off."""
+    return [refs.pop(0) if flag else None for flag in on]
+
+
+def _input_refs(refs: list, lay: Layout) -> _Refs:
+    s = lay.shape
+    fixed = _take(refs, True, True, True, True)
+    optional = _take(refs, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
+    return _Refs(*fixed, *optional)
+
+
+def _tokens(tile_index, t: int):
+    return pl.ds(pl.multiple_of(tile_index * t, t), t)
+
+
+def _tile(lay: Layout, refs: _Refs, query_tile, key_tile, q, k):
+    """One tile pair: (masked float32 scores `[T, T]`, the scores before the temperature, the temperature column
+    or None, the attended keys `[T, T]` bool, the distances `i - j`)."""
+    s, t = lay.shape, lay.shape.tile
+    padded = s.padded
+    query = query_tile * t + jnp.arange(t)
+    key = key_tile * t + jnp.arange(t)
+    distance = query[:, None] - key[None, :]
+    raw = plgpu.dot(q, k, trans_b=True)
+    if s.c2p or s.p2c:
+        row = refs.rel[distance + padded - 1]
+        if s.c2p:
+            raw += refs.c2p[query[:, None], row].astype(jnp.float32)
+        if s.p2c:
+            raw += refs.p2c[key[None, :], row].astype(jnp.float32)
+    bias = refs.bias[distance + padded - 1] if s.bias else None
+    scores = combine_scores(raw, 0.0, bias, s.divisor)
+    temperature = refs.temperature[_tokens(query_tile, t)][:, None] if s.temperature else None
+    attended = jnp.broadcast_to((refs.mask[_tokens(key_tile, t)] != 0)[None, :], (t, t))
+    if s.window:
+        start = s.window_start(query)[:, None]
+        attended = attended & (key[None, :] >= start) & (key[None, :] < start + s.window)
+    final = scores if temperature is None else scores * temperature
+    return mask_keys(final, attended, (key < s.length)[None, :]), scores, temperature, attended, distance
+
+
+def _keep(lay: Layout, refs: _Refs, query_tile, key_tile):
+    """The tile's attention-dropout keep mask (None without dropout): the dense kernel's."""
+    s = lay.shape
+    if not s.dropout:
+        return None
+    return dropout_masks.attention_keep(refs.query_hash[_tokens(query_tile, s.tile)][:, None],
+                                        refs.key_hash[_tokens(key_tile, s.tile)][None, :], s.dropout_rate)
+
+
+# ------------------------------------------------------------------------------------------------ forward
+def _forward_kernel(*refs, lay: Layout):
     refs = list(refs)
-    q_ref, k_ref, v_ref, mask_ref = refs[:4]
-    rest = refs[4:]
-    rel_ref = rest.pop(0) if has_c2p or has_p2c else None
-    c2p_ref = rest.pop(0) if has_c2p else None
-    p2c_ref = rest.pop(0) if has_p2c else None
-    bias_ref = rest.pop(0) if has_bias else None
-    out_ref, lse_ref = rest
+    ins = _input_refs(refs, lay)
+    out_ref, lse_ref = refs
+    s, t = lay.shape, lay.shape.tile
+    query_tile = pl.program_id(2)
+    q = ins.q[_tokens(query_tile, t), :]
 
-    query_start = pl.program_id(2) * TILE
-    q = q_ref[...]
-    tile_rows = jnp.arange(TILE)
+    def visit(step, carry):
+        top, norm, acc = carry
+        key_tile = s.key_tile(query_tile, step)
+        keys = _tokens(key_tile, t)
+        scores = _tile(lay, ins, query_tile, key_tile, q, ins.k[keys, :])[0]
+        new_top = jnp.maximum(top, scores.max(axis=1))
+        correction = jnp.exp(top - new_top)
+        p = jnp.exp(scores - new_top[:, None])
+        # The normalizer sums every probability; dropout acts on the normalized ones (`dense_attention`'s order).
+        norm = norm * correction + p.sum(axis=1)
+        dropped = dropout_masks.apply(p, _keep(lay, ins, query_tile, key_tile), s.dropout_rate)
+        acc = acc * correction[:, None] + plgpu.dot(dropped.astype(ins.v.dtype), ins.v[keys, :])
+        return new_top, norm, acc
 
-    def body(key_tile, carry):
-        m, norm, acc = carry
-        key_start = key_tile * TILE
-        keys = pl.ds(key_start, TILE)
-        dot = plgpu.dot(q, k_ref[keys, :].T).astype(jnp.float32)
-        # Row of every per-distance table for the pairs of this tile: i - j + padded_keys - 1.
-        distance = (query_start + tile_rows)[:, None] - (key_start + tile_rows)[None, :] + (padded_keys - 1)
-        relative = 0.0
-        if rel_ref is not None:
-            row = rel_ref[distance]
-            if has_c2p:
-                relative += c2p_ref[tile_rows[:, None], row].astype(jnp.float32)
-            if has_p2c:
-                relative += p2c_ref[(key_start + tile_rows)[None, :], row].astype(jnp.float32)
-        bias = bias_ref[distance].astype(jnp.float32) if has_bias else None
-        key_positions = key_start + tile_rows
-        scores = mask_keys(combine_scores(dot, relative, bias, divisor), (mask_ref[keys] != 0)[None, :],
-                           (key_positions < key_len)[None, :])
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        norm = norm * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :]).astype(jnp.float32)
-        return m_new, norm, acc
-
-    init = (jnp.full((TILE,), -jnp.inf, jnp.float32), jnp.zeros((TILE,), jnp.float32),
-            jnp.zeros((TILE, q.shape[-1]), jnp.float32))
-    m, norm, acc = jax.lax.fori_loop(0, num_key_tiles, body, init)
+    init = (jnp.full((t,), -jnp.inf, jnp.float32), jnp.zeros((t,), jnp.float32),
+            jnp.zeros((t, lay.head_dim), jnp.float32))
+    top, norm, acc = jax.lax.fori_loop(0, s.key_band, visit, init)
     out_ref[...] = (acc / norm[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = m + jnp.log(norm)
+    lse_ref[...] = top + jnp.log(norm)
 
 
-def fused_forward(blocks: Blocks, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """`(out, lse)` of attention over the blockwise kernel's key blocks, computed by the Pallas kernel.
+# ----------------------------------------------------------------------------------------------- backward
+def _score_grad(lay: Layout, ins: _Refs, query_tile, key_tile, q, k, v, do, lse, delta):
+    """For one tile pair: the probabilities as the forward pass weighed the values (after dropout), the gradient of
+    the scores before the temperature (`g`; masked keys get none), the temperature's gradient per query (None
+    without one), and the pair's distances.
 
-    The blocks are undone here (the kernel tiles keys itself); `out` is `[B, H, Nq, d]`, `lse` `[B, H, Nq]`,
-    as the blockwise backward pass expects. `interpret` defaults to True except on GPUs.
-    """
-    def unblock(x):  # [num_blocks, B, H, size, ...] -> [B, H, num_blocks * size, ...]
-        x = jnp.moveaxis(x, 0, 2)
-        return x.reshape(*x.shape[:2], -1, *x.shape[4:])
-
-    terms = blocks.queries.with_keys(jax.tree.map(unblock, blocks.keys))
-    q, k, c2p, p2c, bias = terms.q, terms.k, terms.c2p, terms.p2c, terms.bias
-    v = unblock(blocks.values)
-    key_mask = jnp.moveaxis(blocks.mask, 0, 1).reshape(blocks.mask.shape[1], -1)
-    b, h, n_q, d = q.shape
-    padded_q = -(-n_q // TILE) * TILE
-    padded_k = -(-k.shape[2] // TILE) * TILE
-    # Triton's dot wants power-of-two operands of at least 16: zero features change no dot product.
-    padded_d = max(16, pl.next_power_of_2(d))
-    q = _pad_axis(_pad_axis(q, 3, padded_d), 2, padded_q)
-    k, v = (_pad_axis(_pad_axis(x, 3, padded_d), 2, padded_k) for x in (k, v))
-    key_mask = _pad_axis(key_mask.astype(jnp.int32), 1, padded_k)
-
-    per_head = lambda block: pl.BlockSpec((None, None) + block, lambda b_, h_, i: (b_, h_, 0, 0))  # noqa: E731
-    per_query_tile = lambda last: pl.BlockSpec((None, None, TILE, last), lambda b_, h_, i: (b_, h_, i, 0))  # noqa: E731
-    inputs = [q, k, v, key_mask]
-    specs = [per_query_tile(padded_d), per_head((padded_k, padded_d)), per_head((padded_k, padded_d)),
-             pl.BlockSpec((None, padded_k), lambda b_, h_, i: (b_, 0))]
-    relative = terms.relative is not None and (c2p is not None or p2c is not None)
-    if relative:
-        rel = _per_distance_for_padding(np.asarray(terms.relative.by_distance, np.int32), terms.key_len,
-                                        padded_q, padded_k)
-        inputs.append(jnp.asarray(rel))
-        specs.append(pl.BlockSpec((rel.shape[0],), lambda b_, h_, i: (0,)))
-        if c2p is not None:
-            inputs.append(_pad_axis(c2p, 2, padded_q))
-            specs.append(per_query_tile(c2p.shape[-1]))
-        if p2c is not None:
-            inputs.append(_pad_axis(p2c, 2, padded_k))
-            specs.append(per_head((padded_k, p2c.shape[-1])))
-    if bias is not None:
-        bias = _per_distance_for_padding(bias, terms.key_len, padded_q, padded_k)
-        inputs.append(bias)
-        specs.append(pl.BlockSpec((None, bias.shape[-1]), lambda b_, h_, i: (h_, 0)))
-    kernel = functools.partial(
-        _attention_kernel, has_c2p=relative and c2p is not None, has_p2c=relative and p2c is not None,
-        has_bias=bias is not None, divisor=terms.divisor, key_len=blocks.num_keys,
-        num_key_tiles=padded_k // TILE, padded_keys=padded_k)
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(b, h, padded_q // TILE),
-        in_specs=specs,
-        out_specs=[per_query_tile(padded_d), pl.BlockSpec((None, None, TILE), lambda b_, h_, i: (b_, h_, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, h, padded_q, padded_d), q.dtype),
-                   jax.ShapeDtypeStruct((b, h, padded_q), jnp.float32)],
-        interpret=jax.default_backend() != "gpu" if interpret is None else interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        name="disentangled_attention_forward" if relative else "attention_forward",
-    )(*inputs)
-    return out[:, :, :n_q, :d], lse[:, :, :n_q]
+    With dropout the output is `sum_j p_ij z_ij v_j` (`z` the kept mask over the keep probability), so the
+    probabilities' gradient is `z_ij do_i.v_j`, and its row sum against `p` is still `do_i.out_i` (`delta`)."""
+    s = lay.shape
+    scores, before, temperature, attended, distance = _tile(lay, ins, query_tile, key_tile, q, k)
+    p = jnp.exp(scores - lse[:, None])
+    keep = _keep(lay, ins, query_tile, key_tile)
+    dp = dropout_masks.apply(plgpu.dot(do, v, trans_b=True), keep, s.dropout_rate)
+    ds = jnp.where(attended, p * (dp - delta[:, None]), 0.0)
+    dt = None if temperature is None else jnp.sum(ds * before, axis=1)
+    g = ds if temperature is None else ds * temperature
+    return dropout_masks.apply(p, keep, s.dropout_rate), g, dt, distance
 
 
-def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, block_size: int,
-                     dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-                     interpret: bool | None = None) -> jax.Array:
-    """`blockwise_attention` with the forward pass fused by Pallas (same arguments, same result to float
-    rounding); `block_size` sets the key blocks of the backward pass. `interpret=False` on a machine without
-    a GPU still lowers the kernel to Triton (for a GPU target), which tests use."""
-    if dropout_key is not None and dropout_rate > 0:
-        raise ValueError(
-            f"attention_kernel='pallas' has no attention dropout, but attention_dropout={dropout_rate} in "
-            "training; set model.attention_dropout=0 or train with attention_kernel='blockwise' or 'dense' "
-            "(any kernel evaluates a trained model)")
-    return blockwise_attention(terms, v, key_mask, block_size=block_size,
-                               forward=functools.partial(fused_forward, interpret=interpret))
+def _by_distance(lay: Layout, grad_ref, g, distance, tokens, near):
+    """Store `g` `[T, T]` at each token's (`tokens` `[T, 1]` or `[1, T]`, rows of `grad_ref`) column for its
+    distance, where the distance is in the band; the others go to the discarded last column. Returns the sums of
+    `g` per token (along the other axis) over the distances at or past each end, (low, high)."""
+    in_band = (distance >= lay.band_lo) & (distance < lay.band_lo + lay.band_width)
+    column = jnp.where(in_band, distance - lay.band_lo, lay.grad_columns - 1)
+    axis = 1 if tokens.shape[0] > 1 else 0
+
+    def store():
+        grad_ref[jnp.broadcast_to(tokens, distance.shape), column] = g.astype(grad_ref.dtype)
+
+    if near is True:
+        store()
+    else:
+        pl.when(near)(store)
+    if lay.ends is None:
+        return None
+    d_hi, d_lo = lay.ends
+    return (jnp.sum(jnp.where(distance <= d_lo, g, 0.0), axis=axis),
+            jnp.sum(jnp.where(distance >= d_hi, g, 0.0), axis=axis))
+
+
+def _backward_kernel(*refs, lay: Layout):
+    """Program (sequence, head, tile): dk, dv (and p2c's per-distance gradient) of key tile `tile` over its query
+    tiles, then dq (and c2p's per-distance gradient, the temperature's) of query tile `tile` over its key tiles."""
+    refs = list(refs)
+    ins = _input_refs(refs, lay)
+    do_ref, lse_ref, delta_ref = _take(refs, True, True, True)
+    s, t = lay.shape, lay.shape.tile
+    _take(refs, s.p2c, lay.query_grads)  # the zeros the per-distance gradients start from: their outputs' buffers
+    on = (True, True, True, s.p2c, s.p2c and lay.ends is not None, s.p2c and lay.ends is not None,
+          lay.query_grads, lay.query_grads and lay.ends is not None, lay.query_grads and lay.ends is not None,
+          s.temperature)
+    (dk_ref, dv_ref, dq_ref, key_grad_ref, key_lo_ref, key_hi_ref, query_grad_ref, query_lo_ref, query_hi_ref,
+     dt_ref) = _take(refs, *on)
+    tile = pl.program_id(2)
+    local = jnp.arange(t)
+    zeros = jnp.zeros((t,), jnp.float32)
+    block = jnp.zeros((t, lay.head_dim), jnp.float32)
+
+    def query_side(query_tile):
+        rows = _tokens(query_tile, t)
+        return ins.q[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+
+    # Key tile `tile`: its keys stay, the query tiles whose windows reach it go by.
+    k, v = ins.k[_tokens(tile, t), :], ins.v[_tokens(tile, t), :]
+
+    def visit_queries(step, carry):
+        dk, dv, lo, hi = carry
+        query_tile = s.query_tile(tile, step)
+        q, do, lse, delta = query_side(query_tile)
+        p, g, _, distance = _score_grad(lay, ins, query_tile, tile, q, k, v, do, lse, delta)
+        dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+        dk += plgpu.dot((g / s.divisor).astype(q.dtype), q, trans_a=True)
+        if s.p2c:
+            sums = _by_distance(lay, key_grad_ref, g, distance, local[None, :], s.near(query_tile, tile))
+            if sums is not None:
+                lo, hi = lo + sums[0], hi + sums[1]
+        return dk, dv, lo, hi
+
+    dk, dv, lo, hi = jax.lax.fori_loop(0, s.query_band, visit_queries, (block, block, zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    if key_lo_ref is not None:
+        key_lo_ref[...], key_hi_ref[...] = lo, hi
+
+    # Query tile `tile`: its queries stay, the key tiles of its band go by.
+    q, do, lse, delta = query_side(tile)
+
+    def visit_keys(step, carry):
+        dq, dt, lo, hi = carry
+        key_tile = s.key_tile(tile, step)
+        keys = _tokens(key_tile, t)
+        k = ins.k[keys, :]
+        _, g, dt_pair, distance = _score_grad(lay, ins, tile, key_tile, q, k, ins.v[keys, :], do, lse, delta)
+        dq += plgpu.dot((g / s.divisor).astype(k.dtype), k)
+        if dt_pair is not None:
+            dt += dt_pair
+        if lay.query_grads:
+            sums = _by_distance(lay, query_grad_ref, g, distance, local[:, None], s.near(tile, key_tile))
+            if sums is not None:
+                lo, hi = lo + sums[0], hi + sums[1]
+        return dq, dt, lo, hi
+
+    dq, dt, lo, hi = jax.lax.fori_loop(0, s.key_band, visit_keys, (block, zeros, zeros, zeros))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    if dt_ref is not None:
+        dt_ref[...] = dt
+    if query_lo_ref is not None:
+        query_lo_ref[...], query_hi_ref[...] = lo, hi
+
+
+# ------------------------------------------------------------------------------------------------ plumbing
+def _call(kernel, lay: Layout, inputs, out_shapes, out_specs, aliases=()):
+    """One pallas_call over (sequence, head, tile): Triton when lowered for a GPU, Pallas' interpreter elsewhere.
+    `inputs` are (array, block) pairs: "sequence" arrays `[B, H, N, ...]` read whole per (sequence, head), "mask"
+    `[B, N]`, "heads" `[H, ...]` (one head's slice), "shared" (one block for every program)."""
+    b, h = inputs[0][0].shape[:2]
+    grid = (b, h, lay.shape.num_tiles)
+
+    def spec(x, block):
+        if block == "sequence":
+            shared_heads = x.shape[1] == 1 and h > 1  # a temperature without a head axis
+            return pl.BlockSpec((None, None) + x.shape[2:],
+                                lambda b_, h_, i: (b_, 0 if shared_heads else h_) + (0,) * (x.ndim - 2))
+        if block == "mask":
+            return pl.BlockSpec((None, x.shape[1]), lambda b_, h_, i: (b_, 0))
+        if block == "heads":
+            return pl.BlockSpec((None,) + x.shape[1:], lambda b_, h_, i: (h_,) + (0,) * (x.ndim - 1))
+        return pl.BlockSpec(x.shape, lambda b_, h_, i: (0,) * x.ndim)
+
+    arrays = [x for x, _ in inputs]
+    in_specs = [spec(x, block) for x, block in inputs]
+
+    def run(interpret, *args):
+        return pl.pallas_call(
+            functools.partial(kernel, lay=lay), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            out_shape=out_shapes, input_output_aliases=dict(aliases), interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+            name=kernel.__name__.strip("_"))(*args)
+
+    # Triton when the program is lowered for a GPU (also from a machine without one), the interpreter elsewhere.
+    return jax.lax.platform_dependent(*arrays, cuda=functools.partial(run, False),
+                                      default=functools.partial(run, True))
+
+
+def _per_tile(t: int, width: int | None = None):
+    """The output block of a program's tile: rows `tile * T ...` of a `[B, H, N]` or `[B, H, N, width]` array."""
+    if width is None:
+        return pl.BlockSpec((None, None, t), lambda b_, h_, i: (b_, h_, i))
+    return pl.BlockSpec((None, None, t, width), lambda b_, h_, i: (b_, h_, i, 0))
+
+
+def _products(q, k, options, lay: Layout):
+    """c2p `[B, H, N, R]` (queries against the position keys) and p2c (keys against the position queries)."""
+    pos_key, pos_query = options[3], options[4]
+    c2p = jnp.einsum("bhnd,hrd->bhnr", q, pos_key) if lay.shape.c2p else None
+    p2c = jnp.einsum("bhnd,hrd->bhnr", k, pos_query) if lay.shape.p2c else None
+    return c2p, p2c
+
+
+def _inputs(lay: Layout, q, k, v, mask, options):
+    s = lay.shape
+    rel = None if lay.relative is None else _per_distance(lay.relative.by_distance, s.length, s.padded)
+    query_hash, key_hash, temperature, _, _, bias = options
+    c2p, p2c = _products(q, k, options, lay)
+    items = [(q, "sequence"), (k, "sequence"), (v, "sequence"), (mask, "mask"), (query_hash, "sequence"),
+             (key_hash, "sequence"), (temperature, "sequence"), (c2p, "sequence"), (p2c, "sequence"),
+             (rel, "shared"), (bias, "heads")]
+    on = (True, True, True, True, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
+    return [item for item, flag in zip(items, on) if flag]
+
+
+def _forward(lay: Layout, q, k, v, mask, options):
+    b, h, n_pad, d = q.shape
+    t = lay.shape.tile
+    return _call(_forward_kernel, lay, _inputs(lay, q, k, v, mask, options),
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)],
+                 [_per_tile(t, d), _per_tile(t)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(lay: Layout, q, k, v, mask, options):
+    """(output, log-sum-exp `[B, H, N]`), both differentiable: global keys merge into the call's softmax through
+    its log-sum-exp. `options`: (query hashes, key hashes, temperature, position keys, position queries, bias)."""
+    return _forward(lay, q, k, v, mask, options)
+
+
+def _attention_fwd(lay, q, k, v, mask, options):
+    # Whether the bias is perturbed (has a tangent): a constant bias (ALiBi's) needs no per-distance gradient.
+    bias_grad = lay.shape.bias and options[5].perturbed
+    q, k, v, mask, options = jax.custom_derivatives.custom_vjp_primal_tree_values((q, k, v, mask, options))
+    out, lse = _forward(lay, q, k, v, mask, options)
+    # The flag rides in the residuals' structure (an empty tuple or None): residuals hold no Python values.
+    return (out, lse), (q, k, v, mask, options, out, lse, () if bias_grad else None)
+
+
+def _attention_bwd(lay: Layout, residuals, cotangents):
+    q, k, v, mask, options, out, lse, bias_grad = residuals
+    lay = dataclasses.replace(lay, bias_grad=bias_grad is not None)
+    d_out, d_lse = cotangents
+    if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):  # no global keys read the log-sum-exp
+        d_lse = 0.0
+    s, t = lay.shape, lay.shape.tile
+    b, h, n_pad, d = q.shape
+    # The score gradient is p * (dp - delta); the log-sum-exp's cotangent adds p * d_lse (its gradient is p).
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    inputs = _inputs(lay, q, k, v, mask, options) + [(d_out, "sequence"), (lse, "sequence"),
+                                                          (delta, "sequence")]
+    columns = lay.grad_columns
+    per_token = jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)
+    # In the inputs' dtype, as the dense kernel's score gradient reaches its gathered terms.
+    grads = jax.ShapeDtypeStruct((b, h, n_pad, columns), q.dtype)
+    ends = lay.ends is not None
+    # (on, shape, spec) in `_backward_kernel`'s output order; the per-distance gradients start as zeros (aliased
+    # inputs): only the distances of visited pairs are written.
+    items = [(True, jax.ShapeDtypeStruct(k.shape, k.dtype), _per_tile(t, d)),
+             (True, jax.ShapeDtypeStruct(v.shape, v.dtype), _per_tile(t, d)),
+             (True, jax.ShapeDtypeStruct(q.shape, q.dtype), _per_tile(t, d)),
+             (s.p2c, grads, _per_tile(t, columns)), (s.p2c and ends, per_token, _per_tile(t)),
+             (s.p2c and ends, per_token, _per_tile(t)), (lay.query_grads, grads, _per_tile(t, columns)),
+             (lay.query_grads and ends, per_token, _per_tile(t)), (lay.query_grads and ends, per_token, _per_tile(t)),
+             (s.temperature, per_token, _per_tile(t))]
+    on = [item for item in items if item[0]]
+    zeros = [(jnp.zeros(grads.shape, grads.dtype), "sequence")] * (s.p2c + lay.query_grads)
+    # Output 3 is p2c's per-distance gradient when on; c2p's follows the two end sums that p2c may have.
+    aliases = [(len(inputs), 3)] * s.p2c + [(len(inputs) + s.p2c, 3 + s.p2c * (1 + 2 * ends))] * lay.query_grads
+    outputs = _call(_backward_kernel, lay, inputs + zeros, [shape for _, shape, _ in on], [spec for *_, spec in on],
+                    aliases)
+    dk, dv, dq, key_grad, key_lo, key_hi, query_grad, query_lo, query_hi, dt = _take(
+        list(outputs), *[item[0] for item in items])
+
+    _, _, temperature, pos_key, pos_query, bias = options
+    d_pos_key = d_pos_query = d_bias = None
+    if s.c2p:
+        dq_terms, d_pos_key = _table_grads(lay, query_grad, query_lo, query_hi, q, pos_key)
+        dq = (dq.astype(jnp.float32) + dq_terms).astype(dq.dtype)
+    if s.p2c:
+        dk_terms, d_pos_query = _table_grads(lay, key_grad, key_lo, key_hi, k, pos_query)
+        dk = (dk.astype(jnp.float32) + dk_terms).astype(dk.dtype)
+    if lay.bias_grad:
+        d_bias = _bias_grad(lay, query_grad, query_lo, query_hi, bias.shape[-1]).astype(bias.dtype)
+    if s.temperature and temperature.shape[1] == 1:  # one factor for every head
+        dt = jnp.sum(dt, axis=1, keepdims=True)
+    return dq, dk, dv, None, (None, None, dt, d_pos_key, d_pos_query, d_bias)
+
+
+def _table_grads(lay: Layout, grad, lo, hi, x, table):
+    """A position term's share of its side's gradient (`[B, H, N, d]` float32) and its table's gradient, from the
+    score gradients per token and band distance `grad` (and the sums past each end, `lo`, `hi`) and the side's
+    tokens `x` (queries for c2p, keys for p2c). The band's table rows, one per distance (`[H, W, d]`, a gather of the
+    small table), turn the per-distance gradients into the side's with one product; the table's gradient adds the
+    distances that read the same row (a segment sum of `[H, W, d]`). No per-row `[B, H, N, R]` array is formed."""
+    by_distance = lay.relative.by_distance
+    rows = by_distance[lay.band_lo + np.arange(lay.band_width) + lay.shape.length - 1]
+    grad = grad[..., :lay.band_width]
+    f32 = jnp.float32
+    # Products in the inputs' dtype (a GPU accumulates them in float32 and rounds the result once).
+    side = jnp.einsum("bhnm,hmd->bhnd", grad, table[:, rows].astype(grad.dtype)).astype(f32)
+    per_distance = jnp.einsum("bhnm,bhnd->hmd", grad, x.astype(grad.dtype)).astype(f32)
+    d_table = jnp.zeros(table.shape, f32).at[:, rows].add(per_distance)
+    if lay.ends is not None:
+        for sums, row in ((lo, by_distance[0]), (hi, by_distance[-1])):
+            side = side + sums[..., None] * table[:, None, row].astype(f32)
+            d_table = d_table.at[:, row].add(jnp.einsum("bhn,bhnd->hd", sums, x.astype(f32)))
+    divisor = lay.shape.divisor
+    return side / divisor, (d_table / divisor).astype(table.dtype)
+
+
+def _bias_grad(lay: Layout, grad, lo, hi, width: int):
+    """A trainable bias's gradient per distance `[H, 2N - 1]` from the per-query score gradients: each band
+    distance's sum over the queries; the sums past each end all go to the end's first distance (every distance
+    past it reads the same bucket, so the gradient of the bucket table is the same). In the padded per-distance
+    layout the kernels read (`_per_distance`)."""
+    n = lay.shape.padded
+    out = jnp.zeros((grad.shape[1], width), jnp.float32)
+    per_distance = grad[..., :lay.band_width].astype(jnp.float32).sum(axis=(0, 2))
+    out = out.at[:, lay.band_lo + n - 1 + np.arange(lay.band_width)].add(per_distance)
+    if lay.ends is not None:
+        d_hi, d_lo = lay.ends
+        out = out.at[:, d_lo + n - 1].add(lo.sum(axis=(0, 2))).at[:, d_hi + n - 1].add(hi.sum(axis=(0, 2)))
+    return out
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def _layout(terms: ScoreTerms, shape: KernelShape, head_dim: int) -> Layout:
+    """The call's layout: its band of per-distance gradients covers the distances before each indexed term's index
+    saturates (DeBERTa's relative index, a bias's buckets); a bias without buckets (ALiBi's, differentiated only in
+    tests) needs every distance."""
+    n = shape.length
+    relative = shape.c2p or shape.p2c
+    indices = [terms.relative] * relative + [terms.bias_index] * shape.bias
+    ends = [None if index is None else saturation(index.by_distance, n, n) for index in indices]
+    d_hi, d_lo = n, -n  # every distance
+    if ends and None not in ends:
+        d_hi, d_lo = max(hi for hi, _ in ends), min(lo for _, lo in ends)
+    return Layout(dataclasses.replace(shape, ends=None if d_hi == n else (d_hi, d_lo)), head_dim,
+                  relative=terms.relative if relative else None, bias_grad=shape.bias, band_lo=d_lo + 1,
+                  band_width=d_hi - d_lo - 1)
+
+
+def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dropout_rate: float = 0.0,
+                     dropout_key: jax.Array | None = None, tile: int = TILE) -> jax.Array:
+    """Self-attention of any variant, DeBERTa's included, fused for GPUs: the dense kernel's result to float
+    rounding, attention dropout included (the same mask).
+
+    `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
+    (`relative`), as the TPU kernel takes them. `tile` is for tests (at least 16, a power of two)."""
+    if terms.c2p is not None or terms.p2c is not None:
+        raise ValueError("attention_kernel='pallas' takes DeBERTa's projected tables (ScoreTerms.pos_key / "
+                         "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
+    q, k = terms.q, terms.k
+    batch, heads, length, d = q.shape
+    if k.shape[-2] != length:
+        raise ValueError(f"attention_kernel='pallas' is self-attention: {length} queries but {k.shape[-2]} keys")
+    relative = terms.relative is not None
+    dropout = dropout_key is not None and dropout_rate > 0
+    shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
+                        relative and terms.pos_query is not None, terms.bias is not None,
+                        float(dropout_rate) if dropout else 0.0, temperature=terms.temperature is not None,
+                        window=terms.window if terms.window < length else 0)
+    head_dim = max(16, pl.next_power_of_2(d))  # zero features change no product
+    lay = _layout(terms, shape, head_dim)
+    n_pad = shape.padded
+
+    def padded(x):
+        return _pad(_pad(x, 3, head_dim), 2, n_pad)
+
+    hashes = query_hash = key_hash = temperature = bias = None
+    if dropout:
+        # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
+        # batch reads its sequences' hashes, so the mask does not depend on the sharding.
+        positions = np.arange(n_pad)
+        hashes = dropout_masks.attention_hashes(dropout_key, batch, heads, positions, positions)
+        query_hash, key_hash = hashes[0][..., 0], hashes[1][..., 0, :]
+    if shape.temperature:  # `[B, 1 or H, N, 1]` -> `[B, 1 or H, N]`
+        temperature = _pad(terms.temperature[..., 0].astype(jnp.float32), 2, n_pad, 1.0)
+    if shape.bias:
+        bias = _per_distance(terms.bias.astype(jnp.float32), length, n_pad)
+    mask = _pad(key_mask.astype(jnp.int32), 1, n_pad)
+    pos_key = None if not shape.c2p else _pad(terms.pos_key, 2, head_dim)
+    pos_query = None if not shape.p2c else _pad(terms.pos_query, 2, head_dim)
+    attend = batch_shards(functools.partial(_attention, lay),
+                          ("rows", "rows", "rows", "rows", ("rows", "rows", "rows", "whole", "whole", "whole")))
+    out, lse = attend(padded(q), padded(k), padded(v), mask,
+                      (query_hash, key_hash, temperature, pos_key, pos_query, bias))
+    out = out[:, :, :length, :d]
+    if terms.global_keys is not None and shape.window:
+        out = merge_global_keys(terms, v, out, lse[:, :, :length], shape, hashes)
+    return out

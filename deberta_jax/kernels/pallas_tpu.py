@@ -57,7 +57,7 @@ Scope: self-attention (as many queries as keys), a key padding mask, c2p and p2c
 with or without global keys. A query whose window holds no real key (a padding query) averages its band's keys
 where the dense kernel averages every key: its output is padding's, which no real token reads. A window's global
 keys (a row's first and last real tokens, seen by every query) lie in tiles the band skips: two per row, they are
-scored outside the kernel and merged into its softmax through its log-sum-exp (`_merge_global_keys`), which is why
+scored outside the kernel and merged into its softmax through its log-sum-exp (`tiling.merge_global_keys`), which is why
 the call's log-sum-exp is a differentiable output. On a TPU the kernels are compiled by Mosaic (also when a program
 is compiled for a TPU from another machine, `deberta_jax.aot`); elsewhere Pallas interprets them (exact, slow:
 tests).
@@ -74,129 +74,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec
 
 from deberta_jax.kernels import dropout_masks
-from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, row_ends, saturation, window_starts
+from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, saturation
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
 # the matrix unit (128 x 128 on v5e) runs full tiles.
 TILE = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelShape:
-    """What every kernel of one call shares (static)."""
-
-    length: int  # real queries = keys
-    tile: int
-    divisor: float
-    c2p: bool
-    p2c: bool
-    bias: bool = False  # a per-distance bias
-    dropout_rate: float = 0.0  # attention dropout; 0 in evaluation
-    temperature: bool = False  # a factor per query on its scores
-    window: int = 0  # positions each query sees (`scores.window_starts`), fewer than `length`; 0: every key
-    # (d_hi, d_lo): the relative index is its last row at distances >= d_hi and its first at <= d_lo
-    # (`scores.saturation`); None without position terms or when no distance is that far.
-    ends: tuple[int, int] | None = None
-
-    @property
-    def dropout(self) -> bool:
-        return self.dropout_rate > 0
-
-    @property
-    def far_c2p(self) -> bool:
-        """Whether far pairs read c2p's end terms (a column per query) instead of its products."""
-        return self.c2p and self.ends is not None
-
-    @property
-    def far_p2c(self) -> bool:
-        return self.p2c and self.ends is not None
-
-    def far(self, query_tile, key_tile):
-        """(hi, lo): whether every distance `i - j` of the tile pair is `>= d_hi` (last row), or `<= d_lo`
-        (first row). Python False without end terms; traced or numpy tiles otherwise."""
-        if self.ends is None:
-            return False, False
-        d_hi, d_lo = self.ends
-        gap = (query_tile - key_tile) * self.tile
-        return gap - (self.tile - 1) >= d_hi, gap + (self.tile - 1) <= d_lo
-
-    def near(self, query_tile, key_tile):
-        """Whether the tile pair reads rows of its own (products with the expanded tables); True without end terms."""
-        hi, lo = self.far(query_tile, key_tile)
-        return True if self.ends is None else ~(hi | lo)
-
-    def visited(self, query_tile, key_tile, backward: bool):
-        """Whether the forward grid (each query tile's band of key tiles) or the backward one (each key tile's band
-        of query tiles) visits the tile pair; False for tiles outside the sequence."""
-        n = self.num_tiles
-        inside = (query_tile >= 0) & (query_tile < n) & (key_tile >= 0) & (key_tile < n)
-        if backward:
-            first = self.query_tile(key_tile, 0)
-            return inside & (query_tile >= first) & (query_tile < first + self.query_band)
-        first = self.key_tile(query_tile, 0)
-        return inside & (key_tile >= first) & (key_tile < first + self.key_band)
-
-    def near_pairs(self, backward: bool) -> np.ndarray:
-        """`[query tiles, key tiles]`: whether a grid visits the pair and it is near, which the cost estimate counts.
-        Along a grid row, and along a column (one tile of the side that moves, over the rows), the pairs'
-        distances move monotonically, so the near pairs of each are one run of consecutive tiles (a band) that
-        holds its diagonal pair."""
-        query, key = np.arange(self.num_tiles)[:, None], np.arange(self.num_tiles)[None, :]
-        with jax.ensure_compile_time_eval():  # the index maps' jnp arithmetic on constants, also inside a trace
-            return np.asarray(self.visited(query, key, backward) & self.near(query, key))
-
-    @property
-    def num_tiles(self) -> int:
-        return -(-self.length // self.tile)
-
-    @property
-    def padded(self) -> int:
-        return self.num_tiles * self.tile
-
-    def _reach(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per tile, how many key tiles its queries' windows reach and how many query tiles reach its keys."""
-        t = self.tile
-        starts = window_starts(self.length, self.length, self.window)
-        ends = starts + self.window - 1  # both nondecreasing in the query
-        first = np.arange(self.num_tiles) * t
-        last = np.minimum(first + t, self.length) - 1
-        keys = ends[last] // t - starts[first] // t + 1
-        queries = (np.searchsorted(starts, last, side="right") - 1) // t - np.searchsorted(ends, first) // t + 1
-        return keys, queries
-
-    @property
-    def key_band(self) -> int:
-        """Key tiles each query tile visits: all of them, or with a window the most any query tile's reach."""
-        return int(self._reach()[0].max()) if self.window else self.num_tiles
-
-    @property
-    def query_band(self) -> int:
-        """Query tiles each key tile visits: all of them, or with a window the most whose windows reach one."""
-        return int(self._reach()[1].max()) if self.window else self.num_tiles
-
-    def window_start(self, query):
-        """`scores.window_starts` of traced query positions (an index map's scalar, a tile's iota)."""
-        return jnp.clip(query - self.window // 2, 0, self.length - self.window)
-
-    def key_tile(self, query_tile, step):
-        """The key tile of a query tile's `step`-th visit: the band starts at the tile of its first query's window
-        start, moved left where it would run past the last tile (its extra tiles fall outside every window)."""
-        if not self.window:
-            return step
-        first = jax.lax.div(self.window_start(query_tile * self.tile), self.tile)
-        return jnp.minimum(first, self.num_tiles - self.key_band) + step
-
-    def query_tile(self, key_tile, step):
-        """The query tile of a key tile's `step`-th visit: the band starts at the tile of the first query whose
-        window reaches its first key (windows are `W // 2` before the query, shifted right at the row's start)."""
-        if not self.window:
-            return step
-        key = key_tile * self.tile
-        first = jnp.where(key > self.window - 1, key - (self.window - 1) + self.window // 2, 0)
-        return jnp.minimum(jax.lax.div(first, self.tile), self.num_tiles - self.query_band) + step
 
 
 def expand_tables(by_distance: np.ndarray, shape: KernelShape) -> tuple[np.ndarray, np.ndarray]:
@@ -752,7 +637,7 @@ def _forward(shape: KernelShape, q, k, v, mask, options):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(shape: KernelShape, q, k, v, mask, options):
     """(output, log-sum-exp `[B, H, 1, N]`), both differentiable: global keys merge into the call's softmax
-    through its log-sum-exp (`_merge_global_keys`)."""
+    through its log-sum-exp (`tiling.merge_global_keys`)."""
     return _forward(shape, q, k, v, mask, options)
 
 
@@ -869,96 +754,11 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
         _, reverse = expand_tables(np.arange(2 * length - 1), shape)
         eb = terms.bias[:, None, reverse].astype(jnp.float32)
     mask = jnp.pad(key_mask.astype(jnp.int32), [(0, 0), (0, pad)])[:, None, :]
-    attend = functools.partial(_attention, shape)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        # XLA cannot partition a Mosaic call: each device runs it on its rows of the batch, which a run's mesh
-        # splits over all of its axes (`train.sharding.batch_sharding`); the tables and the bias are replicated.
-        rows, whole = PartitionSpec(mesh.axis_names), PartitionSpec()
-        attend = jax.shard_map(attend, mesh=mesh,
-                               in_specs=(rows, rows, rows, rows, (rows,) * 3 + (whole,) * 5),
-                               out_specs=(rows, rows), check_vma=False)
+    attend = batch_shards(functools.partial(_attention, shape),
+                          ("rows",) * 4 + (("rows",) * 3 + ("whole",) * 5,))
     out, lse = attend(padded(q), padded(k), padded(v), mask,
                       (query_hash, key_hash, temperature, ec, eq, eb, c2p_rows, p2c_rows))
     out = out[:, :, :length]
     if terms.global_keys is not None and shape.window:
-        out = _merge_global_keys(terms, v, out, lse[:, :, 0, :length], shape, hashes)
+        out = merge_global_keys(terms, v, out, lse[:, :, 0, :length], shape, hashes)
     return out
-
-
-def _merge_global_keys(terms: ScoreTerms, v, out, lse, shape: KernelShape, hashes):
-    """The output with each row's global keys outside a query's window added to its softmax (a window's global
-    keys, seen by every query, sit in tiles the kernel's band skips: its first and last marked keys, which is
-    what `positions.global_keys` marks).
-
-    Two keys per row are `O(N)` work in plain JAX: their scores by the score formula (`combine_scores`; the
-    position terms from the table rows of each query's distance to them, `_global_position_terms`), dropout from
-    the same hashes, and one more softmax block merged into the kernel's by log-sum-exp, as split-key attention
-    merges blocks. Their gradients come from autodiff, the kernel's through its log-sum-exp."""
-    marked = terms.global_keys[:, 0]
-    n = marked.shape[-1]
-    keys = jnp.stack(row_ends(marked), axis=-1)  # [B, 2]
-    real = jnp.take_along_axis(marked, keys, axis=-1) & jnp.concatenate(
-        [jnp.ones_like(keys[:, :1], bool), keys[:, :1] != keys[:, 1:]], axis=-1)  # a row's one marked key once
-    start = jnp.asarray(window_starts(n, n, shape.window))[None, :, None]
-    outside = (keys[:, None, :] < start) | (keys[:, None, :] >= start + shape.window)  # [B, N, 2]
-    visible = (real[:, None, :] & outside)[:, None]  # [B, 1, N, 2]
-
-    k, values = (jnp.take_along_axis(x, keys[:, None, :, None], axis=2) for x in (terms.k, v))  # [B, H, 2, d]
-    distance = jnp.arange(n)[None, :, None] - keys[:, None, :] + n - 1  # [B, N, 2], `scores.distances` order
-    relative = 0.0
-    if shape.c2p or shape.p2c:
-        relative = jnp.stack([_global_position_terms(terms, shape, k[:, :, g], keys[:, g]) for g in range(2)], -1)
-    bias = jnp.moveaxis(terms.bias[:, distance], 0, 1) if shape.bias else None
-    scores = combine_scores(jnp.einsum("bhid,bhgd->bhig", terms.q, k), relative, bias, shape.divisor,
-                            terms.temperature).astype(jnp.float32)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    window_lse = lse[..., None]
-    top = jax.lax.stop_gradient(jnp.maximum(window_lse, scores.max(axis=-1, keepdims=True)))
-    total = top + jnp.log(jnp.exp(window_lse - top) + jnp.exp(scores - top).sum(axis=-1, keepdims=True))
-    p = jnp.exp(scores - total)
-    if shape.dropout:
-        query_hash, key_hash = hashes
-        keep = dropout_masks.attention_keep(query_hash[:, :, :n], jnp.take_along_axis(
-            key_hash, keys[:, None, None, :], axis=-1), shape.dropout_rate)
-        p = dropout_masks.apply(p, keep, shape.dropout_rate)
-    merged = jnp.exp(window_lse - total) * out.astype(jnp.float32) + jnp.einsum(
-        "bhig,bhgd->bhid", p, values.astype(jnp.float32))
-    return merged.astype(out.dtype)
-
-
-def _global_position_terms(terms: ScoreTerms, shape: KernelShape, k, key):
-    """c2p + p2c `[B, H, N]` of every query with one global key per row (`k` `[B, H, d]` at positions `key` `[B]`).
-
-    Past some distance each way the relative index is constant (the outermost bucket, or the clipped row), so the
-    terms of the queries that far from the key are one product with that row; only the band of queries nearer
-    than that reads a row per query (a slice of the queries and a gather of the table rows, `[H, B, band, d]`), as
-    `scores.banded_relative_terms` does for blocks of keys. Without such distances the band is every query."""
-    rel = terms.relative.by_distance
-    n = terms.q.shape[-2]
-    d_hi, d_lo = saturation(rel, n, n) or (n, -n)
-    width = min(n, d_hi - d_lo - 1)
-    start = jnp.clip(key + d_lo + 1, 0, n - width)  # the band: queries i with d_lo < i - key < d_hi
-
-    def cut(x):  # [B, H, N, ...] -> the band's [B, H, width, ...], per row
-        return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, width, axis=1))(x, start)
-    rows = jnp.asarray(rel)[start[:, None] + jnp.arange(width) - key[:, None] + n - 1]  # [B, width]
-    far = jnp.arange(n)[None, None, :] - key[:, None, None] >= d_hi  # [B, 1, N]: past the band's high end
-    terms_far, terms_band = 0.0, 0.0
-    if shape.c2p:
-        ends = _end_terms(terms.q, terms.pos_key, rel)
-        terms_far = terms_far + jnp.where(far, ends[:, :, 1], ends[:, :, 0])
-        terms_band = terms_band + jnp.einsum("bhwd,hbwd->bhw", cut(terms.q), terms.pos_key[:, rows])
-    if shape.p2c:
-        ends = _end_terms(k[:, :, None], terms.pos_query, rel)
-        terms_far = terms_far + jnp.where(far, ends[:, :, 1], ends[:, :, 0])
-        terms_band = terms_band + jnp.einsum("bhd,hbwd->bhw", k, terms.pos_query[:, rows])
-    terms_far = jnp.broadcast_to(terms_far, terms.q.shape[:3]).astype(jnp.result_type(terms_band))
-    return jax.vmap(lambda f, b, s: jax.lax.dynamic_update_slice_in_dim(f, b, s, axis=1))(terms_far, terms_band, start)
-
-
-def _end_terms(x, table, rel: np.ndarray):
-    """`x` `[B, H, N, d]` against a projected table's rows at the outermost distances: `[B, H, 2, N]` float32, row
-    0 the index's first row (distances `<= d_lo`), row 1 its last (`>= d_hi`)."""
-    return jnp.einsum("bhnd,hed->bhen", x, table[:, np.asarray([rel[0], rel[-1]])],
-                      preferred_element_type=jnp.float32)

@@ -133,6 +133,9 @@ class ScoreTerms:
     temperature: jax.Array | None = None  # [B, 1 or H, Nq, 1]: query side, like q
     global_keys: jax.Array | None = None  # [B, 1, Nk] bool: keys outside the window that every query sees
     relative: RelativeIndex | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # The bucket per distance of a bias read from a table (T5's; None for ALiBi's): a kernel that forms the bias's
+    # gradient per distance itself (`kernels.pallas`) needs to know past which distance every bucket is the same.
+    bias_index: RelativeIndex | None = dataclasses.field(default=None, metadata=dict(static=True))
     key_len: int = dataclasses.field(default=0, metadata=dict(static=True))  # Nk of the whole sequence
     window: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: every key
 

@@ -36,7 +36,7 @@ class PositionContext:
       (numpy), or sampled per sequence when `sampled` (randomized positions in training), in which
       case a learned table reads those rows directly instead of applying the out-of-range policy;
     - `bias` `[H, 2N - 1]`: score bias added by ALiBi and T5 per distance `i - j`
-      (`kernels.scores.distances`), else None;
+      (`kernels.scores.distances`), else None; `bias_index`: T5's bucket per distance (its bias is trainable);
     - `temperature` `[B, 1, N, 1]`: the factor on each query's scores (`ModelConfig.attention_temperature`
       "log_length"), else None; `log_keys` `[B, 1, N, 1]`: the log of the keys each query sees, which a learned
       temperature scales by its per-head slope (else None);
@@ -51,6 +51,7 @@ class PositionContext:
     position_ids: jax.Array | np.ndarray
     sampled: bool = False
     bias: jax.Array | None = None
+    bias_index: RelativeIndex | None = None
     rel_embeddings: jax.Array | None = None
     relative: RelativeIndex | None = None
     temperature: jax.Array | None = None
@@ -133,9 +134,9 @@ class SelfAttention(nnx.Module):
                            global_keys=ctx.global_keys)
         if cfg.attention == "disentangled":
             pos_q, pos_k = self._relative_projections(ctx, rngs) if cfg.pos_att_type else (None, None)
-            # The TPU kernel and the dense kernel's shift formulation take the projected tables themselves.
+            # The fused kernels and the dense kernel's shift formulation take the projected tables themselves.
             shift = cfg.attention_kernel == "dense" and cfg.relative_terms_for(jax.default_backend()) == "shift"
-            if shift or cfg.attention_kernel == "pallas_tpu":
+            if shift or cfg.attention_kernel in ("pallas", "pallas_tpu"):
                 terms = dataclasses.replace(terms, relative=ctx.relative, pos_key=pos_k, pos_query=pos_q)
             else:
                 terms = dataclasses.replace(
@@ -147,7 +148,7 @@ class SelfAttention(nnx.Module):
             terms = dataclasses.replace(terms, q=positions.apply_rope(q, ids, cfg.rope_theta),
                                         k=positions.apply_rope(k, ids, cfg.rope_theta))
         if ctx.bias is not None:
-            terms = dataclasses.replace(terms, bias=ctx.bias)
+            terms = dataclasses.replace(terms, bias=ctx.bias, bias_index=ctx.bias_index)
         dropout_key = rngs.dropout() if rngs is not None and cfg.attention_dropout > 0 else None
         kernel = dispatch.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
         return merge_heads(kernel(terms, v, key_mask, dropout_rate=cfg.attention_dropout, dropout_key=dropout_key))

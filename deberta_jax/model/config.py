@@ -75,11 +75,10 @@ class ModelConfig:
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
-    "pallas" fuses blockwise attention's forward pass into one GPU kernel (`deberta_jax.kernels.pallas`;
-    interpret mode elsewhere; no attention dropout in training), "pallas_tpu" fuses both passes for TPUs
-    (`deberta_jax.kernels.pallas_tpu`; every variant, dropout, the temperature and the window with its global
-    tokens). All give the same results to float rounding and load the same parameters, so a model
-    trained with one can be evaluated with another.
+    "pallas" and "pallas_tpu" fuse both passes into kernels for GPUs (`deberta_jax.kernels.pallas`, Triton) and
+    TPUs (`deberta_jax.kernels.pallas_tpu`, Mosaic), interpreted elsewhere; both carry every variant, attention
+    dropout, the temperature and the window with its global tokens. All give the same results to float rounding
+    and load the same parameters, so a model trained with one can be evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
     without any absolute positions or RoPE to act on) are rejected.
@@ -401,10 +400,6 @@ class ModelConfig:
             _fail("relative_position_policy", self.relative_position_policy,
                   "scales relative distances, and attention='entangled' has none; for a learned absolute table "
                   "use absolute_position_policy='interpolate'")
-        if self.attention_kernel == "pallas" and (self.attention_window or self.attention_temperature != "none"):
-            _fail("attention_kernel", self.attention_kernel,
-                  "the GPU kernel implements neither attention_window nor attention_temperature; use "
-                  "attention_kernel='pallas_tpu' on TPUs, or 'dense' or 'blockwise', with them")
 
     def _validate_computation(self) -> None:
         """How the parameters are computed with: DeBERTa's relative terms, rematerialization."""

@@ -144,11 +144,13 @@ class Encoder(nnx.Module):
             ids = positions.random_positions(rngs.dropout(), batch, seq_len, cfg.random_position_max)
         else:
             ids = np.arange(seq_len, dtype=np.int32)[None]
-        bias = rel_embeddings = relative = None
+        bias = bias_index = rel_embeddings = relative = None
         if cfg.attention == "alibi":
             bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads, scale)
         elif cfg.attention == "t5_bias":
             bias = positions.t5_bias(self.relative_attention_bias[...], seq_len, seq_len, cfg.t5_max_distance, scale)
+            bias_index = RelativeIndex(positions.t5_distance_buckets(seq_len, seq_len, cfg.t5_num_buckets,
+                                                                     cfg.t5_max_distance, scale))
         elif cfg.attention == "disentangled":
             kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
                       clamp=cfg.clamp_relative_positions, scale=scale)
@@ -166,7 +168,8 @@ class Encoder(nnx.Module):
             log_keys = positions.log_keys(visible)
             if cfg.attention_temperature == "log_length":
                 temperature = jnp.maximum(log_keys / np.float32(np.log(cfg.effective_trained_length)), 1.0)
-        return PositionContext(position_ids=ids, sampled=sampled, bias=bias, rel_embeddings=rel_embeddings,
+        return PositionContext(position_ids=ids, sampled=sampled, bias=bias, bias_index=bias_index,
+                               rel_embeddings=rel_embeddings,
                                relative=relative, temperature=temperature, log_keys=log_keys, global_keys=ends)
 
     def __call__(self, hidden, key_mask, ctx: PositionContext, rngs=None, num_layers: int | None = None) -> jax.Array:

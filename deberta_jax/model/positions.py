@@ -253,10 +253,16 @@ def t5_relative_bucket(rel: np.ndarray, num_buckets: int, max_distance: int) -> 
     return (bucket + np.where(rel < 0, half, 0)).astype(np.int32)
 
 
+def t5_distance_buckets(query_len: int, key_len: int, num_buckets: int, max_distance: int,
+                        scale: float = 1.0) -> np.ndarray:
+    """T5's bucket of each distance (`kernels.scores.distances` order) times `scale` (`scaled_distances`)."""
+    return t5_relative_bucket(scaled_distances(query_len, key_len, scale), num_buckets, max_distance)
+
+
 def t5_bias(table: jax.Array, query_len: int, key_len: int, max_distance: int, scale: float = 1.0) -> jax.Array:
     """Score bias per distance `[H, query_len + key_len - 1]` (expand with `toeplitz`), read from a
-    learned `[num_buckets, H]` table by T5 bucket of each distance times `scale` (`scaled_distances`)."""
-    bucket = t5_relative_bucket(scaled_distances(query_len, key_len, scale), table.shape[0], max_distance)
+    learned `[num_buckets, H]` table by T5 bucket of each distance (`t5_distance_buckets`)."""
+    bucket = t5_distance_buckets(query_len, key_len, table.shape[0], max_distance, scale)
     return jnp.take(table, bucket, axis=0).T
 
 

@@ -102,14 +102,6 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              f"exceeds config.model.max_position_embeddings={table}, {what}; raise max_position_embeddings "
              f"to at least {seq_len} or shorten seq_len")
     model_config = dataclasses.replace(model_config, trained_length=seq_len)
-    # Training draws attention dropout, which the GPU kernel's fused forward pass does not implement (its forward
-    # hook takes no dropout key; `kernels.pallas`): refuse now, not at the first step. The TPU kernel draws the
-    # dense kernel's mask inside its tiles, so it trains with dropout as published.
-    _require(model_config.attention_kernel != "pallas" or model_config.attention_dropout == 0,
-             "model.attention_kernel", model_config.attention_kernel, f"has no attention dropout, and "
-             f"model.attention_dropout={model_config.attention_dropout}; set model.attention_dropout=0, or train "
-             f"with 'blockwise' or 'dense' (same results) and evaluate with {model_config.attention_kernel!r}, "
-             "or on TPUs train with 'pallas_tpu', which has it")
 
     # ---- train
     train = "train."

@@ -1,7 +1,6 @@
-"""Attention kernels: the blockwise kernel and the fused Pallas one (interpret mode on CPU) equal the
-dense one (outputs and gradients, every variant, padding, lengths that are not a multiple of the
-block), blockwise draws dropout consistently in both passes and needs memory linear in length, and the
-Pallas kernel lowers to Triton for a GPU."""
+"""Attention kernels: the blockwise kernel equals the dense one (outputs and gradients, every variant, padding,
+lengths that are not a multiple of the block), draws dropout consistently in both passes and needs memory linear in
+length; a model computes the same with each kernel. The fused kernels' own tests are in test_fused_kernels.py."""
 
 import dataclasses
 
@@ -13,7 +12,6 @@ from flax import nnx
 
 from deberta_jax.kernels import blockwise, dispatch
 from deberta_jax.kernels.dense import dense_attention
-from deberta_jax.kernels.pallas import pallas_attention
 from deberta_jax.kernels.scores import (
     NEG_INF,
     RelativeIndex,
@@ -69,14 +67,11 @@ VARIANTS = ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("kernel,block_size", [
-    ("blockwise", 8), ("blockwise", 64),  # 37 keys = 4 blocks of 8 + 5; one block larger than N
-    ("pallas", 8),  # one 64 x 64 tile, 27 of it padding; backward in blocks of 8
-])
-def test_kernel_equals_dense_outputs_and_gradients(variant, kernel, block_size):
+@pytest.mark.parametrize("block_size", [8, 64])  # 37 keys = 4 blocks of 8 + 5; one block larger than N
+def test_kernel_equals_dense_outputs_and_gradients(variant, block_size):
     inputs = variant_inputs(variant)
     dense_out, dense_grads = outputs_and_grads(dense_attention, *inputs)
-    out, grads = outputs_and_grads(dispatch.attention_kernel(kernel, block_size), *inputs)
+    out, grads = outputs_and_grads(dispatch.attention_kernel("blockwise", block_size), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -153,10 +148,8 @@ def test_banded_relative_terms_equal_the_full_gather(clamp, start):
     np.testing.assert_allclose(banded, full, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
-def test_kernel_equals_dense_far_past_the_relative_table(kernel):
-    # Long sequence, short table: blockwise blocks use the banded gather, Pallas runs 3 x 3 tiles of
-    # 64 (the last ones ragged); outputs and gradients still match.
+def test_kernel_equals_dense_far_past_the_relative_table():
+    # Long sequence, short table: blockwise blocks use the banded gather; outputs and gradients still match.
     n = 150
     rng = np.random.default_rng(2)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -166,7 +159,7 @@ def test_kernel_equals_dense_far_past_the_relative_table(kernel):
     key_mask = jnp.asarray((np.arange(n) < 141)[None].astype(np.int32))
     inputs = (terms, normal(1, 2, n, D), key_mask)
     dense_out, dense_grads = outputs_and_grads(dense_attention, *inputs)
-    out, grads = outputs_and_grads(dispatch.attention_kernel(kernel, 16), *inputs)
+    out, grads = outputs_and_grads(dispatch.attention_kernel("blockwise", 16), *inputs)
     np.testing.assert_allclose(out, dense_out, atol=1e-5, rtol=1e-5)
     assert_trees_close(grads, dense_grads, atol=1e-5)
 
@@ -266,29 +259,6 @@ def test_blockwise_memory_is_linear_in_length():
     assert dense > 8 * 2 * 2048 * 2048  # at least two [1, 2, N, N] float32 tensors
     assert blocked[1] < dense / 5  # measured: 17.7 MB against 134 MB
     assert blocked[1] < 2.5 * blocked[0]  # twice the length, about twice the memory
-
-
-@pytest.mark.parametrize("variant,d", [("entangled", 64), ("disentangled", 64), ("t5_bias", 64), ("disentangled", 48)])
-def test_pallas_kernel_lowers_to_triton_for_a_gpu(variant, d):
-    # No GPU here: lowering for CUDA runs Pallas' Triton lowering of the kernel body (every op it uses
-    # must have a Triton rule, gather loads included; every array a power of two, hence the padded
-    # head of 48) without compiling it. The backward pass is plain XLA.
-    terms, v, key_mask = variant_inputs(variant, n=150, d=d)
-
-    def loss(terms, v, mask):
-        return pallas_attention(terms, v, mask, block_size=128, interpret=False).sum()
-    triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(
-        terms, v, key_mask)
-    assert exported.mlir_module().count(f"@{triton}(") == 1  # the forward kernel, once
-
-
-def test_pallas_kernel_refuses_attention_dropout():
-    terms, v, key_mask = variant_inputs("disentangled")
-    with pytest.raises(ValueError, match="attention_dropout=0"):
-        pallas_attention(terms, v, key_mask, block_size=8, dropout_rate=0.1,
-                         dropout_key=jax.random.key(0))
 
 
 def test_kernel_is_validated_by_name():

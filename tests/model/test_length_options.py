@@ -238,8 +238,6 @@ def test_rope_interpolation_rotates_by_the_scaled_positions():
     (dict(attention="entangled", relative_position_policy="interpolate"), "relative_position_policy"),
     (dict(attention_window=1), "attention_window"),
     (dict(attention_temperature="cubic"), "attention_temperature"),
-    (dict(attention_kernel="pallas", attention_window=16), "attention_kernel"),
-    (dict(attention_kernel="pallas", attention_temperature="log_length"), "attention_kernel"),
     (dict(window_global_tokens=True), "window_global_tokens"),
 ])
 def test_bad_length_options_are_refused_naming_the_field(fields, name):

@@ -185,20 +185,14 @@ def test_natural_core_sweep_reuses_the_default_sweeps_runs():
         assert core[name]["command"] == run["command"] and core[name]["workdir"] == run["workdir"]
 
 
-def test_training_the_gpu_kernel_with_attention_dropout_is_refused_at_start_up_and_the_tpu_kernel_accepted():
-    """The GPU kernel's fused forward has no dropout, so training with one is refused naming the field; the TPU
-    kernel draws the dense kernel's mask inside its tiles and trains with the published 0.1."""
+@pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"])
+def test_the_fused_kernels_train_with_attention_dropout(kernel):
+    """Both fused kernels draw the dense kernel's dropout mask inside their tiles: a run trains with the published
+    0.1 through either."""
     config = deberta.get_config("micro")
-    assert config.model.attention_dropout == 0.1
-    config.model.attention_kernel = "pallas"
-    with pytest.raises(ConfigError, match=r"^config.model.attention_kernel='pallas' .*attention_dropout=0.1"):
-        validate(config, num_devices=1)
-    config.model.attention_kernel = "pallas_tpu"
+    config.model.attention_kernel = kernel
     model = validate(config, num_devices=1)
-    assert (model.attention_kernel, model.attention_dropout) == ("pallas_tpu", 0.1)
-    config.model.attention_kernel = "pallas"
-    config.model.attention_dropout = 0.0
-    assert validate(config, num_devices=1).attention_kernel == "pallas"
+    assert (model.attention_kernel, model.attention_dropout) == (kernel, 0.1)
 
 
 def _sweep_plans():

@@ -1,10 +1,11 @@
-"""The fused TPU kernel (interpret mode on CPU) equals the dense kernel: outputs and every gradient (queries, keys,
-values, both projected relative tables, a per-distance bias and T5's table behind it, a temperature), c2p and p2c on
-and off, log buckets and exact distances, padding, lengths that are not a multiple of the tile, float32 and
-bfloat16, attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every
-windowed pair); and the model computes the same with it. The FLOPs each kernel reports to XLA are the products its
-traced body runs. Compiling it for TPUs is tested in test_pallas_tpu_compiles.py, the dropout mask under a sharded
-batch in test_pallas_tpu_sharded.py."""
+"""The fused kernels, for GPUs (`pallas`) and TPUs (`pallas_tpu`), interpreted on CPU, equal the dense kernel:
+outputs and every gradient (queries, keys, values, both projected relative tables, a per-distance bias and T5's
+table behind it, a temperature), c2p and p2c on and off, log buckets and exact distances, padding (right and left),
+lengths that are not a multiple of the tile, far pairs whose boundary falls anywhere in a tile, float32 and bfloat16,
+attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every windowed
+pair) with its global keys; and the model computes the same with each. The FLOPs the TPU kernels report to XLA are
+the products their traced bodies run. Compiling for TPUs is tested in test_pallas_tpu_compiles.py, for GPUs in
+test_pallas_compiles.py, the TPU dropout mask under a sharded batch in test_pallas_tpu_sharded.py."""
 
 import dataclasses
 import functools
@@ -16,10 +17,12 @@ import numpy as np
 import pytest
 
 from deberta_jax.kernels.dense import dense_attention
-from deberta_jax.kernels.pallas_tpu import KernelShape, expand_tables, pallas_tpu_attention
-from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances, in_window, window_starts
+from deberta_jax.kernels.pallas import pallas_attention
+from deberta_jax.kernels.pallas_tpu import expand_tables, pallas_tpu_attention
+from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances, in_window, saturation, window_starts
+from deberta_jax.kernels.tiling import KernelShape
 from deberta_jax.model import positions
-from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.model.config import ModelConfig
 from tests.kernels.test_kernels import outputs_and_grads
 
 B, H, D, R = 2, 2, 8, 12
@@ -46,9 +49,18 @@ def max_error(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def fused(**kw):
+FUSED = {"pallas": pallas_attention, "pallas_tpu": pallas_tpu_attention}
+
+
+@pytest.fixture(params=sorted(FUSED))
+def kernel(request):
+    """Each fused kernel: the GPU one and the TPU one, interpreted."""
+    return FUSED[request.param]
+
+
+def fused(kernel, **kw):
     """The kernel with `kw`, jitted: the interpreted tiles run as one compiled program, not op by op."""
-    return jax.jit(functools.partial(pallas_tpu_attention, **kw))
+    return jax.jit(functools.partial(kernel, **kw))
 
 
 @pytest.mark.parametrize("terms_on,buckets", [
@@ -58,10 +70,10 @@ def fused(**kw):
     (("p2c",), R // 2),
     ((), 0),                   # no position terms: FlashAttention (BERT, NoPE, RoPE)
 ])
-def test_equals_dense_kernel_outputs_and_gradients(terms_on, buckets):
+def test_equals_dense_kernel_outputs_and_gradients(kernel, terms_on, buckets):
     terms, v, key_mask = table_inputs(terms_on, buckets)
     # Tiles of 16 over 37 positions: three tiles, five diagonals, the last tile mostly padding.
-    out, grads = outputs_and_grads(fused(tile=16), terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(kernel, tile=16), terms, v, key_mask)
     want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6
     # Every leaf that gets a gradient: q, k, v and each table that is on (observed ~7e-7).
@@ -73,18 +85,18 @@ def test_the_tpu_tile_size():
     """Tiles of 128 (what Mosaic compiles), a length just past one tile: the strides of the lane rotation are
     those of the compiled kernel."""
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, n=130, b=1, h=1)  # interpreted 128-row rotations: slow
-    out, grads = outputs_and_grads(fused(), terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(pallas_tpu_attention), terms, v, key_mask)
     want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6 and max_error(grads, want_grads) < 5e-6
 
 
-def test_bfloat16_within_its_rounding():
+def test_bfloat16_within_its_rounding(kernel):
     """bfloat16 inputs: the kernel's error against a float32 reference is of the order of the dense kernel's own
     (both round the products' inputs and the probabilities to bfloat16)."""
     terms16, v16, key_mask = table_inputs(("c2p", "p2c"), R // 2, dtype=jnp.bfloat16)
     terms32, v32 = jax.tree.map(lambda x: x.astype(jnp.float32), (terms16, v16))
     reference = outputs_and_grads(jax.jit(dense_attention), terms32, v32, key_mask)
-    got = outputs_and_grads(fused(tile=16), terms16, v16, key_mask)
+    got = outputs_and_grads(fused(kernel, tile=16), terms16, v16, key_mask)
     dense = outputs_and_grads(jax.jit(dense_attention), terms16, v16, key_mask)
     assert got[0].dtype == jnp.bfloat16
     for part in (0, 1):
@@ -105,30 +117,29 @@ def test_expanded_tables_read_every_distance_in_place():
     assert len(distances(n, n)) == len(by_distance)
 
 
-def test_refuses_what_it_does_not_implement():
+def test_refuses_what_it_does_not_implement(kernel):
     """The kernel reads DeBERTa's projected tables, not the c2p products (what the blockwise kernel takes)."""
     terms, v, key_mask = table_inputs(("c2p",), R // 2)
     products = dataclasses.replace(terms, c2p=jnp.einsum("bhid,hrd->bhir", terms.q, terms.pos_key), pos_key=None)
     with pytest.raises(ValueError, match="projected tables"):
-        pallas_tpu_attention(products, v, key_mask)
+        kernel(products, v, key_mask)
 
 
-def test_config_accepts_every_scheme_and_length_method_with_the_tpu_kernel():
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_config_accepts_every_scheme_and_length_method_with_a_fused_kernel(name):
     for attention in ("alibi", "t5_bias"):
-        ModelConfig(attention=attention, attention_kernel="pallas_tpu")
-    ModelConfig(attention_kernel="pallas_tpu", attention_window=16, attention_temperature="log_length",
-                trained_length=16)
-    ModelConfig(attention_kernel="pallas_tpu", attention_window=16, window_global_tokens=True)
-    with pytest.raises(ConfigError, match="attention_window"):
-        ModelConfig(attention_kernel="pallas", attention_window=16)
+        ModelConfig(attention=attention, attention_kernel=name)
+    ModelConfig(attention_kernel=name, attention_window=16, attention_temperature="log_length", trained_length=16)
+    ModelConfig(attention_kernel=name, attention_window=16, window_global_tokens=True)
 
 
+@pytest.mark.parametrize("name", sorted(FUSED))
 @pytest.mark.parametrize("attention,options", [
     ("disentangled", dict(attention_temperature="log_length")),
     ("t5_bias", dict(attention_temperature="learned")),
     ("disentangled", dict(window_global_tokens=True)),
 ])
-def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, options):
+def test_model_with_a_fused_kernel_equals_the_dense_one(name, attention, options):
     """DeBERTa with EMD (re-applying its one layer), separate position projections and log buckets, and T5's bias
     (its table's gradient through the kernel's), training with dropout as published (0.1, attention and hidden; one
     dropout seed, so each attention call draws the same key with either kernel), with both length methods (a
@@ -145,7 +156,7 @@ def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, options):
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(2, 40)))
     mask = jnp.ones((2, 40), jnp.int32).at[1, 31:].set(0)
     results = []
-    for kernel in ("dense", "pallas_tpu"):
+    for kernel in ("dense", name):
         model = MaskedLM(ModelConfig(**base, attention_kernel=kernel), rngs=nnx.Rngs(params=3))
         graphdef, params = nnx.split(model)
 
@@ -161,14 +172,14 @@ def test_model_with_the_tpu_kernel_equals_the_dense_one(attention, options):
         assert max_error(got, want) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(want))))
 
 
-def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence():
+def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence(kernel):
     """The head's table gradients accumulate over every sequence and tile pair and are written out at the head's
     last step: with a last sequence that ends in real tokens (only the first is padded), that last pair, the last
     query tile against the last key tile of the last sequence, has keys that get a gradient, so dropping its share
     shows. One head, tiles of 8 over 20 positions (the last tile half real)."""
     terms, v, _ = table_inputs(("c2p", "p2c"), R // 2, n=20, b=2, h=1)
     key_mask = jnp.ones((2, 20), jnp.int32).at[0, 13:].set(0)
-    out, grads = outputs_and_grads(fused(tile=8), terms, v, key_mask)
+    out, grads = outputs_and_grads(fused(kernel, tile=8), terms, v, key_mask)
     want_out, want_grads = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert max_error(out, want_out) < 2e-6
     assert max_error(grads[0].pos_key, want_grads[0].pos_key) < 3e-6
@@ -177,13 +188,13 @@ def test_table_gradients_include_the_last_tile_pair_of_an_unpadded_last_sequence
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 3e-6), (jnp.bfloat16, None)])
-def test_dropout_equals_the_dense_kernel_forward_and_backward(dtype, tolerance):
+def test_dropout_equals_the_dense_kernel_forward_and_backward(kernel, dtype, tolerance):
     """Attention dropout 0.3: the kernel drops the dense kernel's entries in the forward pass and regenerates them
     in the backward kernel, so outputs and every gradient agree (37 positions in tiles of 16, padding). bfloat16:
     within twice the dense kernel's own error against float32 (observed f32 max error ~1e-6)."""
     dropout = dict(dropout_rate=0.3, dropout_key=jax.random.key(5))
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, dtype=dtype)
-    got = outputs_and_grads(fused(tile=16, **dropout), terms, v, key_mask)
+    got = outputs_and_grads(fused(kernel, tile=16, **dropout), terms, v, key_mask)
     dense = outputs_and_grads(jax.jit(functools.partial(dense_attention, **dropout)), terms, v, key_mask)
     assert len(jax.tree.leaves(got[1])) == 5
     if tolerance:
@@ -197,16 +208,16 @@ def test_dropout_equals_the_dense_kernel_forward_and_backward(dtype, tolerance):
             assert max_error(got[part], reference[part]) < 2 * max_error(dense[part], reference[part]) + 1e-2
 
 
-def test_dropout_mask_does_not_depend_on_the_tile_size():
+def test_dropout_mask_does_not_depend_on_the_tile_size(kernel):
     """Tiles of 8 over 21 positions (3 x 3 tile pairs, where the test above has tiles of 16) draw the dense kernel's
     mask too: outputs and gradients agree with the same key."""
     dropout = dict(dropout_rate=0.2, dropout_key=jax.random.key(7))
     terms, v, key_mask = table_inputs(("c2p",), R // 2, n=21)
     want = outputs_and_grads(jax.jit(functools.partial(dense_attention, **dropout)), terms, v, key_mask)
-    assert max_error(outputs_and_grads(fused(tile=8, **dropout), terms, v, key_mask), want) < 3e-6
+    assert max_error(outputs_and_grads(fused(kernel, tile=8, **dropout), terms, v, key_mask), want) < 3e-6
 
 
-def test_temperature_and_window_equal_the_dense_kernel():
+def test_temperature_and_window_equal_the_dense_kernel(kernel):
     """A temperature per query shared by the heads (the log-length one's shape) and a window of 5 over 37 positions
     in tiles of 8 (a band of 3 key tiles of 5; the last tile ragged), with padding: outputs at real queries and every
     gradient, the temperature's included, equal the dense kernel's (observed ~2e-6, the temperature's). Padding
@@ -225,7 +236,7 @@ def test_temperature_and_window_equal_the_dense_kernel():
             out = kernel(terms, v, key_mask)
             return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(terms, v)
-    (_, out), grads = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=8))
+    (_, out), grads = outputs_and_grads(functools.partial(kernel, tile=8))
     (_, want_out), want_grads = outputs_and_grads(dense_attention)
     assert KernelShape(37, 8, 1.0, True, True, window=window).key_band == 3
     assert max_error(out, want_out) < 2e-6
@@ -262,7 +273,7 @@ def test_windowed_tile_pairs_grow_as_length_times_window():
 
 
 @pytest.mark.parametrize("window,tile", [(5, 8), (12, 16)])
-def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, tile):
+def test_window_global_keys_with_every_option_equal_the_dense_kernel(kernel, window, tile):
     """A window's global keys (each row's first and last real tokens, seen by every query; `window_global_tokens`)
     beside DeBERTa's two position terms, T5's bias, a temperature per head and dropout 0.2, 37 positions with
     padding (the last row's closing key at 28, away from the sequence's end, so the band of queries whose distance
@@ -285,9 +296,9 @@ def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, til
             out = kernel(biased, v, key_mask, dropout_rate=0.2, dropout_key=jax.random.key(1))
             return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(table, terms, v)
-    got = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=tile))
+    got = outputs_and_grads(functools.partial(kernel, tile=tile))
     want = outputs_and_grads(dense_attention)
-    without = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=tile), global_keys=None)
+    without = outputs_and_grads(functools.partial(kernel, tile=tile), global_keys=None)
     (loss, out), grads = got
     (want_loss, want_out), want_grads = want
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)  # a sum of 2,368 outputs: observed ~1.4e-6
@@ -295,18 +306,18 @@ def test_window_global_keys_with_every_option_equal_the_dense_kernel(window, til
     assert max_error(without[0][1], want_out) > 1e-2  # the global keys matter to these outputs
 
 
-def test_alibi_bias_equals_the_dense_kernel():
+def test_alibi_bias_equals_the_dense_kernel(kernel):
     """ALiBi's bias per distance, without position terms, 37 positions in tiles of 16 (padding, the last tile
     ragged): outputs and the gradients of queries, keys, values and the bias array (observed ~3e-7)."""
     terms, v, key_mask = table_inputs((), 0)
     terms = dataclasses.replace(terms, bias=positions.alibi_bias(37, 37, H))
-    got = outputs_and_grads(fused(tile=16), terms, v, key_mask)
+    got = outputs_and_grads(fused(kernel, tile=16), terms, v, key_mask)
     want = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
     assert got[1][0].bias.shape == (H, 2 * 37 - 1)
     assert max_error(got, want) < 2e-6
 
 
-def test_t5_table_gradient_with_every_option():
+def test_t5_table_gradient_with_every_option(kernel):
     """T5's table read per bucket, DeBERTa's two position terms, a temperature per head, a window of 12 and dropout
     0.2, tiles of 8 over 37 positions with padding: outputs at real queries and every gradient, the T5 table's (it
     flows through the bias array's) and the temperature's included, equal the dense kernel's (observed ~3e-6)."""
@@ -323,7 +334,7 @@ def test_t5_table_gradient_with_every_option():
             out = kernel(biased, v, key_mask, dropout_rate=0.2, dropout_key=jax.random.key(1))
             return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(table, terms, v)
-    got = outputs_and_grads(functools.partial(pallas_tpu_attention, tile=8))
+    got = outputs_and_grads(functools.partial(kernel, tile=8))
     want = outputs_and_grads(dense_attention)
     assert max_error(got, want) < 1e-5
     assert max_error(got[1][0], want[1][0]) < 1e-5 < float(jnp.max(jnp.abs(want[1][0])))
@@ -418,3 +429,53 @@ def test_cost_estimate_counts_the_products_the_kernels_run(terms_on, window):
         assert near.any(axis=0).all() and near.any(axis=1).all()  # a band in every row and column
         assert estimate == every * rows * steps + once * int(near.sum()) + twice * rows
         assert (~near & visits).any() == bool(terms_on)  # the test reaches far pairs, with and without a window
+
+
+def relative_inputs(n, buckets, max_relative, b=B, key_mask=None, seed=4):
+    """`table_inputs`' DeBERTa terms with the relative index of `buckets` log buckets up to `max_relative` and tables
+    that have every row it reads."""
+    terms, v, default_mask = table_inputs(("c2p", "p2c"), R // 2, n=n, b=b, seed=seed)
+    rel = positions.relative_index_by_distance(n, n, position_buckets=buckets, max_relative_positions=max_relative)
+    rows = int(rel.max()) + 1
+    rng = np.random.default_rng(seed + 1)
+    terms = dataclasses.replace(terms, relative=RelativeIndex(rel),
+                                pos_key=jnp.asarray(rng.normal(size=(H, rows, D)), jnp.float32),
+                                pos_query=jnp.asarray(rng.normal(size=(H, rows, D)), jnp.float32))
+    return terms, v, default_mask if key_mask is None else key_mask
+
+
+def test_far_pairs_start_anywhere_in_a_tile(kernel):
+    """8 buckets up to 16 saturate at a distance of 10, 2 past a tile boundary of 8: the tile pairs at a gap of one
+    tile mix near distances (8, 9) with far ones, so a far/near boundary off by one in the kernels' tile test or in
+    their per-distance gradients changes outputs or gradients. 37 positions, tiles of 8, padding."""
+    terms, v, key_mask = relative_inputs(37, 8, 16)
+    assert saturation(terms.relative.by_distance, 37, 37)[0] % 8 == 2
+    got = outputs_and_grads(fused(kernel, tile=8), terms, v, key_mask)
+    want = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
+    assert max_error(got, want) < 3e-6
+
+
+def test_global_keys_of_left_padded_rows(kernel):
+    """Rows padded on the left (their first real token, a global key, well inside the sequence) with a window of 5,
+    and log buckets that saturate at 7: queries on both sides of a global key, near and far from it, read its
+    position terms from the right end row; an off-by-one in the far test of the global keys' position terms reaches
+    real queries here (with right-padded rows only padding sees it). Outputs at real queries and every gradient."""
+    n = 37
+    key_mask = np.ones((B, n), np.int32)
+    key_mask[0, :9] = 0
+    key_mask[1, :3] = 0
+    key_mask[1, 30:] = 0
+    terms, v, key_mask = relative_inputs(n, 6, 16, key_mask=jnp.asarray(key_mask))
+    terms = dataclasses.replace(terms, window=5)
+    real = key_mask[:, None, :, None] > 0
+    cotangent = jnp.where(real, jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32), 0.0)
+
+    def outputs_and_grads(attend):
+        def loss(terms, v):
+            out = attend(dataclasses.replace(terms, global_keys=positions.global_keys(key_mask)), v, key_mask)
+            return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(terms, v)
+    (_, out), grads = outputs_and_grads(functools.partial(kernel, tile=8))
+    (_, want_out), want_grads = outputs_and_grads(dense_attention)
+    assert max_error(out, want_out) < 2e-6
+    assert max_error(grads, want_grads) < 1e-5
