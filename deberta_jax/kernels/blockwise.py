@@ -8,14 +8,12 @@ side (queries, c2p, a per-distance bias) is read whole by every block.
 
 Attention dropout draws each block's mask from its positions (`dropout_keep`) and draws it again in the backward
 pass: the dense kernel's mask, whatever the block size.
-`deberta_jax.kernels.pallas` replaces the forward scan by a fused GPU kernel through the `forward` hook.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +53,6 @@ class Blocks:
         return mask_keys(scores.astype(jnp.float32), real, positions < self.num_keys)
 
 
-# A fused forward pass: (blocks) -> (out [B, H, Nq, d], log-sum-exp [B, H, Nq]), without dropout.
-Forward = Callable[[Blocks], tuple[jax.Array, jax.Array]]
-
-
 def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...], rate: float) -> jax.Array:
     """The keep mask of attention dropout for key block `block`, `shape` `[B, H, Nq, block size]`."""
     b, h, n_q, size = shape
@@ -67,14 +61,11 @@ def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...],
 
 
 def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, block_size: int,
-                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
-                        forward: Forward | None = None) -> jax.Array:
+                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None) -> jax.Array:
     """The result of `dense_attention` (up to float rounding and dropout bits) in memory linear in `Nk`.
 
     Keys are padded to a multiple of `block_size` (padding keys score -inf, so they weigh nothing even in a row
-    whose real keys are all masked, where both kernels average every key uniformly). `forward` replaces the scan
-    forward pass (without dropout) by a fused one returning the same `(out, lse)`; the backward pass is this
-    kernel's either way.
+    whose real keys are all masked, where both kernels average every key uniformly).
     """
     n_k = v.shape[-2]
     size = min(block_size, n_k)
@@ -90,17 +81,17 @@ def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
         keys=jax.tree.map(cut, terms.key_side()), values=cut(v),
         mask=jnp.pad(key_mask, [(0, 0), (0, pad)]).reshape(-1, num_blocks, size).swapaxes(0, 1),
         dropout_key=dropout_key if dropout_rate > 0 else None, num_keys=n_k)
-    return _online_softmax(float(dropout_rate) if blocks.dropout_key is not None else 0.0, forward, blocks)
+    return _online_softmax(float(dropout_rate) if blocks.dropout_key is not None else 0.0, blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _online_softmax(rate: float, forward: Forward | None, blocks: Blocks) -> jax.Array:
-    return _online_softmax_fwd(rate, forward, blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _online_softmax(rate: float, blocks: Blocks) -> jax.Array:
+    return _online_softmax_fwd(rate, blocks)[0]
 
 
-def _online_softmax_fwd(rate, forward, blocks: Blocks):
+def _online_softmax_fwd(rate, blocks: Blocks):
     """The output, with what the backward pass needs: the blocks, the output and each row's log-sum-exp."""
-    out, lse = _scan_forward(rate, blocks) if forward is None else forward(blocks)
+    out, lse = _scan_forward(rate, blocks)
     return out, (blocks, out, lse)
 
 
@@ -130,10 +121,9 @@ def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
     return (acc / norm[..., None]).astype(blocks.values.dtype), m + jnp.log(norm)
 
 
-def _online_softmax_bwd(rate, forward, residuals, d_out):
+def _online_softmax_bwd(rate, residuals, d_out):
     """FlashAttention's backward pass: per block, recompute the probabilities `exp(s - lse)` and pull
     the score gradient `p * (dp - rowsum(d_out * out))` back through the score terms' own VJP."""
-    del forward
     blocks, out, lse = residuals
     d_out32 = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1)
