@@ -12,7 +12,8 @@ from deberta_jax.kernels.blockwise import blockwise_attention
 from deberta_jax.kernels.dense import dense_attention
 
 # The fused kernels, `pallas` (GPUs) and `pallas_tpu`, carry every variant, attention dropout and the length options.
-KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu")
+# `cudnn` is the anchor for variants without position terms in the scores (BERT): jax.nn.dot_product_attention.
+KERNELS = ("dense", "blockwise", "pallas", "pallas_tpu", "cudnn")
 
 
 def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
@@ -26,6 +27,9 @@ def attention_kernel(name: str, block_size: int) -> Callable[..., jax.Array]:
         # Imported on demand: only the fused kernels need Pallas.
         from deberta_jax.kernels.pallas import pallas_attention
         return pallas_attention
+    if name == "cudnn":
+        from deberta_jax.kernels.cudnn import cudnn_attention
+        return cudnn_attention
     if name == "pallas_tpu":
         from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
         return pallas_tpu_attention

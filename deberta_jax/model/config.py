@@ -75,10 +75,12 @@ class ModelConfig:
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
     over blocks of `attention_block_size` keys in memory linear in N (evaluation at 8k+ tokens),
-    "pallas" and "pallas_tpu" fuse both passes into kernels for GPUs (`deberta_jax.kernels.pallas`, Triton) and
-    TPUs (`deberta_jax.kernels.pallas_tpu`, Mosaic), interpreted elsewhere; both carry every variant, attention
-    dropout, the temperature and the window with its global tokens. All give the same results to float rounding
-    and load the same parameters, so a model trained with one can be evaluated with another.
+    "cudnn" is `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs; BERT's anchor: no position terms in
+    the scores, no attention dropout), "pallas" and "pallas_tpu" fuse both passes into kernels for GPUs
+    (`deberta_jax.kernels.pallas`, Triton) and TPUs (`deberta_jax.kernels.pallas_tpu`, Mosaic), interpreted
+    elsewhere; both carry every variant, attention dropout, the temperature and the window with its global tokens.
+    All give the same results to float rounding and load the same parameters, so a model trained with one can be
+    evaluated with another.
     Knobs of other variants are ignored and not validated (the DeBERTa ones keep their defaults in a
     BERT config); switches that would silently do nothing (`absolute_embedding`, `randomized_positions`
     without any absolute positions or RoPE to act on) are rejected.
@@ -300,6 +302,11 @@ class ModelConfig:
             _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
+        if self.attention_kernel == "cudnn" and (self.attention not in ("entangled", "rope") or self.attention_window
+                                                 or self.attention_temperature != "none"):
+            _fail("attention_kernel", self.attention_kernel,
+                  f"scores queries against keys only (BERT, NoPE, RoPE), without a window or temperature, but "
+                  f"attention={self.attention!r}; use 'pallas' on GPUs, or 'dense' or 'blockwise'")
         if self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size,
                   "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")

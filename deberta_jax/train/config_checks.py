@@ -102,6 +102,10 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              f"exceeds config.model.max_position_embeddings={table}, {what}; raise max_position_embeddings "
              f"to at least {seq_len} or shorten seq_len")
     model_config = dataclasses.replace(model_config, trained_length=seq_len)
+    _require(model_config.attention_kernel != "cudnn" or model_config.attention_dropout == 0,
+             "model.attention_kernel", model_config.attention_kernel, "has no attention dropout (cuDNN's kernel "
+             f"through jax.nn.dot_product_attention), and model.attention_dropout={model_config.attention_dropout}; "
+             "set model.attention_dropout=0, or train with 'pallas' or 'dense', which have it")
 
     # ---- train
     train = "train."

@@ -267,3 +267,21 @@ def test_kernel_is_validated_by_name():
         ModelConfig(attention_kernel="flash")
     with pytest.raises(ConfigError, match="attention_block_size"):
         ModelConfig(attention_kernel="blockwise", attention_block_size=0)
+
+
+def test_cudnn_kernel_equals_dense_and_refuses_what_it_lacks():
+    """The cuDNN anchor (`jax.nn.dot_product_attention`, XLA's implementation off a GPU) equals the dense kernel for
+    queries and keys alone with right padding (a row's real keys first, as packed rows are); it refuses position
+    terms in the scores, and attention dropout, naming the fix."""
+    terms, v, key_mask = variant_inputs("entangled")
+    kernel = dispatch.attention_kernel("cudnn", 8)
+    out, grads = outputs_and_grads(kernel, terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+    assert_trees_close(grads, want_grads, atol=1e-5)
+    with pytest.raises(ValueError, match="'dense', 'blockwise' or 'pallas'"):
+        kernel(variant_inputs("alibi")[0], v, key_mask)
+    with pytest.raises(ValueError, match="attention_dropout=0"):
+        kernel(terms, v, key_mask, dropout_rate=0.1, dropout_key=jax.random.key(0))
+    with pytest.raises(ConfigError, match="attention_kernel='cudnn'.*attention='disentangled'"):
+        ModelConfig(attention="disentangled", attention_kernel="cudnn")

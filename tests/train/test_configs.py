@@ -230,3 +230,14 @@ def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
                 methods_seen.add(method)
     assert seen == {"disentangled", "entangled", "rope", "alibi", "t5_bias"}
     assert methods_seen == {"log_length", "window", "window_global", "interpolate_distances"}
+
+
+def test_the_cudnn_anchor_refuses_attention_dropout_at_start_up():
+    """cuDNN's kernel through jax.nn.dot_product_attention draws no attention dropout: a run that asks for it is
+    refused naming the field, not trained without it."""
+    config = bert.get_config("micro")
+    config.model.attention_kernel = "cudnn"
+    with pytest.raises(ConfigError, match=r"^config.model.attention_kernel='cudnn' .*attention_dropout=0.1"):
+        validate(config, num_devices=1)
+    config.model.attention_dropout = 0.0
+    assert validate(config, num_devices=1).attention_kernel == "cudnn"
