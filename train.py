@@ -164,9 +164,9 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM."""
     workdir = storage.path(workdir)
     storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
-    lock = workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-    with lock as holding:
-        return _train(config, workdir, stop_at_step, holding)
+    # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
+    with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(config, workdir, stop_at_step)
 
 
 def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
@@ -226,8 +226,7 @@ def evaluator(evals: list[dict], eval_step, batch_sharding):
     return evaluate
 
 
-def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None,
-           holding: workdir_lock.Holding | None) -> dict:
+def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None) -> dict:
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
@@ -282,6 +281,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
                     f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
 
     watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
+    failed = False
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
             rows = batches.train_batch(
@@ -320,19 +320,24 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
             saving = step % train_cfg.checkpoint_every == 0 or eval_metrics is not None or stopping
             if saving:
                 check_pending_steps()
-                if holding:
-                    holding.check()
                 pending = jax.device_get(pending)
                 checkpoint.save(manager, state, eval_metrics, log_window=pending)
             if preempted and not final:
                 raise preemption.Preempted(step, str(workdir / checkpoint.CHECKPOINT_DIR))
             if record or saving:  # time only training steps
                 timer_start, timer_steps = time.perf_counter(), 0
+    except preemption.Preempted:  # a stop, not a failure
+        raise
+    except BaseException:
+        failed = True
+        raise
     finally:
         watch.close()
         bar.close()
-        writer.close()
         manager.close()
+        # After a failure nothing more goes up: a failing upload would replace the error that stopped the run (a
+        # checkpoint save's) with its own. A preempted run's last TensorBoard events still go up.
+        writer.close(upload=not failed)
     return record
 
 

@@ -14,6 +14,8 @@ directory. The few operations where object storage differs from a disk are here,
     `delete_version` (only the version one last saw) are what `train.workdir_lock` builds its lock from;
   * no cheap re-reading: `fingerprints` takes the checksums the store computed on upload from one listing
     instead of downloading every file;
+  * a writer that can lose its workdir: `fence` makes every write under a folder ask a check first (the bucket
+    lock's: a run whose lock another run took over writes nothing more);
   * more ways to fail: `StorageError` names the bucket and the fix in one line.
 
 Directory listings are never cached (`use_listings_cache=False`): another host may have written since.
@@ -26,9 +28,11 @@ from deberta_jax.storage.paths import (
     PathLike,
     StorageError,
     bucket,
+    check_fence,
     check_writable,
     checksum,
     checksum_kind,
+    fence,
     filesystem,
     fingerprints,
     glob,
@@ -49,8 +53,8 @@ from deberta_jax.storage.paths import (
     write_text,
 )
 
-__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_writable", "checksum",
-           "checksum_kind", "create_new", "delete_version", "filesystem", "fingerprints", "glob", "identity",
-           "is_remote", "local_copy", "move_tree", "path", "read_bytes", "read_text", "read_version", "reader",
-           "remove_tree", "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes",
-           "write_text"]
+__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_fence", "check_writable",
+           "checksum", "checksum_kind", "create_new", "delete_version", "fence", "filesystem", "fingerprints", "glob",
+           "identity", "is_remote", "local_copy", "move_tree", "path", "read_bytes", "read_text", "read_version",
+           "reader", "remove_tree", "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree",
+           "write_bytes", "write_text"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from deberta_jax.storage.paths import PathLike, StorageError, reporting
+from deberta_jax.storage.paths import PathLike, StorageError, bucket, reporting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,19 @@ def _gcs_client():
     return _CLIENT
 
 
+def _generation(blob, target: PathLike) -> int:
+    if blob.generation is None:
+        raise _unsupported(target, "no generation")
+    return int(blob.generation)
+
+
+def _unsupported(target: PathLike, missing: str) -> StorageError:
+    """A store that speaks the GCS API without object generations, which the lock needs to tell versions apart."""
+    return StorageError(f"{bucket(target)}: the store reported {missing} for {os.fspath(target)}: it does not keep "
+                        "object generations, which a lock in object storage is built from; keep the workdir on a local "
+                        "disk or in a store that keeps them (Google Cloud Storage does)")
+
+
 def _preconditions():
     from google.api_core import exceptions
     return exceptions.PreconditionFailed, exceptions.NotFound
@@ -61,7 +74,9 @@ def create_new(target: PathLike, data: bytes) -> int | None:
             blob.upload_from_string(data, if_generation_match=0)
         except failed:
             return None
-    return int(blob.generation)
+        if blob.generation is None:  # an object no later write can be told apart from: not left behind
+            blob.delete()
+    return _generation(blob, target)
 
 
 def read_version(target: PathLike) -> Version | None:
@@ -74,7 +89,10 @@ def read_version(target: PathLike) -> Version | None:
             data = blob.download_as_bytes(if_generation_match=blob.generation)
         except (failed, missing):  # gone, or replaced between the two requests: the caller looks again
             return None
-    return Version(data, int(blob.generation), blob.updated.timestamp())
+    generation = _generation(blob, target)
+    if blob.updated is None:
+        raise _unsupported(target, "no update time")
+    return Version(data, generation, blob.updated.timestamp())
 
 
 def replace_version(target: PathLike, data: bytes, generation: int) -> int | None:
@@ -87,7 +105,7 @@ def replace_version(target: PathLike, data: bytes, generation: int) -> int | Non
             blob.upload_from_string(data, if_generation_match=generation)
         except (failed, missing):
             return None
-    return int(blob.generation)
+    return _generation(blob, target)
 
 
 def delete_version(target: PathLike, generation: int) -> bool:

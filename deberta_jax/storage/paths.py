@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import fsspec
 from etils import epath
@@ -96,6 +96,33 @@ def reporting(value: PathLike, doing: str) -> Iterator[None]:
                            ) from None
 
 
+# ---------------------------------------------------------------------------------------------- fences
+
+# Folders whose writer can lose the right to write there (a workdir in a bucket whose lock another run took over
+# while this one stalled), each with the check that raises once the right is gone.
+_FENCES: dict[str, Callable[[], None]] = {}
+
+
+@contextlib.contextmanager
+def fence(folder: PathLike, check: Callable[[], None]) -> Iterator[None]:
+    """Within the block every write under `folder` calls `check` first, which raises to stop it: the writes of this
+    module, and those of libraries that write by themselves (orbax) once their caller asks `check_fence`."""
+    key = os.fspath(folder).rstrip("/") + "/"
+    _FENCES[key] = check
+    try:
+        yield
+    finally:
+        del _FENCES[key]
+
+
+def check_fence(target: PathLike) -> None:
+    """Raises what the check of a `fence` around `target` raises (nothing when no fence is up around it)."""
+    text = os.fspath(target) + "/"
+    for folder, check in list(_FENCES.items()):
+        if text.startswith(folder):
+            check()
+
+
 # ---------------------------------------------------------------------------------------------- whole files
 
 def write_bytes(target: PathLike, data: bytes) -> None:
@@ -125,6 +152,7 @@ def replacing(target: PathLike) -> Iterator[pathlib.Path]:
     """Yields a local path to write `target`'s new content to (with any library that writes files); it becomes
     `target` whole when the block completes: renamed over a local file, or uploaded as one object."""
     target = path(target)
+    check_fence(target)
     if not is_remote(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         with atomic.replacing(target) as tmp:
@@ -148,6 +176,7 @@ def upload_tree(local: PathLike, target: PathLike) -> None:
 def remove_tree(target: PathLike) -> None:
     """Deletes a folder and everything under it; a missing one is no error."""
     target = path(target)
+    check_fence(target)
     if not is_remote(target):
         shutil.rmtree(target, ignore_errors=True)
         return
@@ -158,6 +187,8 @@ def remove_tree(target: PathLike) -> None:
 def move_tree(source: PathLike, target: PathLike) -> None:
     """Moves a folder (locally a rename; in object storage a copy of every object, then their deletion)."""
     source, target = path(source), path(target)
+    check_fence(source)
+    check_fence(target)
     if not is_remote(source):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(os.fspath(source), os.fspath(target))

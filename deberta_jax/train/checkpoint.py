@@ -161,6 +161,7 @@ def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict |
                               **{LOG_WINDOW: ocp.args.JsonSave({"steps": window})})
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
     step = int(state.step)
+    storage.check_fence(manager.directory)  # orbax writes by itself, past the storage writers that ask the fence
     try:
         manager.save(step, args=args, metrics=metrics)
         manager.wait_until_finished()

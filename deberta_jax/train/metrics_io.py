@@ -93,17 +93,20 @@ class MetricsWriter:
         if self.remote:
             storage.upload_tree(self.staging.name, self.tensorboard_dir)
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Closes TensorBoard's writer, waiting at most `timeout_s` for its thread (metrics.jsonl is complete)."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S, upload: bool = True) -> None:
+        """Closes TensorBoard's writer, waiting at most `timeout_s` for its thread (metrics.jsonl is complete); in
+        object storage its last events go up unless `upload` is False."""
         if not self.enabled:
             return
         closer = threading.Thread(target=self.tensorboard.close, daemon=True)
         closer.start()
         closer.join(timeout_s)
-        if closer.is_alive():
-            logging.warning("TensorBoard's writer did not close within %.0f s; its last events may be missing "
-                            "(%s is complete)", timeout_s, self.path)
-        elif self.remote:
-            storage.upload_tree(self.staging.name, self.tensorboard_dir)
-        if self.remote:
-            self.staging.cleanup()
+        try:
+            if closer.is_alive():
+                logging.warning("TensorBoard's writer did not close within %.0f s; its last events may be missing "
+                                "(%s is complete)", timeout_s, self.path)
+            elif self.remote and upload:
+                storage.upload_tree(self.staging.name, self.tensorboard_dir)
+        finally:
+            if self.remote:
+                self.staging.cleanup()

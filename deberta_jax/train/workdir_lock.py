@@ -11,13 +11,21 @@ flock is per host: on a filesystem shared between machines (NFS) it does not exc
 another machine. Multi-process runs take the lock in process 0 only (all processes are one run).
 
 A workdir in object storage (`gs://`) has no file locks; its lock is an object created only if none exists (a
-generation precondition, so of two launches on any machines exactly one succeeds), holding the same record. The
-holder renews it every `RENEW_EVERY_S` by replacing it only if it is still the version it wrote, and deletes it on
-exit. Nothing tells a bucket that a process died, so a lock is taken over (with a warning naming the holder) when
-its holder stopped renewing it `STALE_AFTER_S` ago, or at once when the holder ran on this host and its PID no
-longer runs (a restart on the same VM). An empty lock object holds nothing: it is a local workdir's released lock
-file, uploaded with the workdir. A holder that finds its lock replaced (it stalled past `STALE_AFTER_S` and another
-run took over) stops before its next checkpoint (`Holding.check`).
+generation precondition, so of two launches on any machines exactly one succeeds), holding the same record and a
+nonce drawn for this hold. The holder renews it every `RENEW_EVERY_S` by replacing it only if it is still the version
+it wrote, and deletes it on exit. Nothing tells a bucket that a process died, so a lock is taken over (with a warning
+naming the holder) when its last renewal is `STALE_AFTER_S` old, or at once when the holder ran on this host and its
+PID no longer runs (a restart on the same VM). An empty lock object holds nothing: it is a local workdir's released
+lock file, uploaded with the workdir.
+
+A refused renewal is not yet a lost lock: a write the client gave up on (a stalled store) may land later and move
+the generation. So the lock is read first; still holding this hold's nonce, it is this run's, and its generation
+is adopted. A store that ignores generation preconditions would let two runs hold one lock: it is refused when the
+lock is taken (`_require_preconditions`).
+
+A run that lost its lock (it or its store stalled past `STALE_AFTER_S` and another run took over) writes nothing
+more to the workdir: the lock fences it (`storage.fence`), so every write there first asks `Holding.check`, which
+renews the lock before the write whenever its last renewal is old enough that a takeover was possible.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,8 +47,9 @@ from deberta_jax import storage
 from deberta_jax.storage import atomic
 
 LOCK_FILE = ".lock"
-# An object lock's renewal period, and the silence after which its holder is presumed dead: long enough that a
-# slow request or a busy host never loses a live run its lock, short enough that a crashed pod restarts soon.
+# An object lock's renewal period, and the age of its last renewal after which its holder is presumed dead: long
+# enough that a slow request or a busy host never loses a live run its lock, short enough that a crashed pod restarts
+# soon. Read when a lock is taken, so tests may set them.
 RENEW_EVERY_S = 15.0
 STALE_AFTER_S = 120.0
 
@@ -79,16 +89,18 @@ class Holding:
 
 
 def _record(what: str) -> dict:
-    return dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what)
+    return dict(pid=os.getpid(), host=socket.gethostname(), since=time.time(), what=what, nonce=uuid.uuid4().hex)
 
 
 @contextlib.contextmanager
-def hold(workdir: str | Path, what: str = "train.py", *, renew_every_s: float = RENEW_EVERY_S,
-         stale_after_s: float = STALE_AFTER_S) -> Iterator[Holding]:
+def hold(workdir: str | Path, what: str = "train.py", *, renew_every_s: float | None = None,
+         stale_after_s: float | None = None) -> Iterator[Holding]:
     """Holds `workdir`'s lock for the `with` block; raises WorkdirBusyError naming the holder if taken.
-    `renew_every_s` and `stale_after_s` apply to a workdir in object storage."""
+    `renew_every_s` and `stale_after_s` (default `RENEW_EVERY_S`, `STALE_AFTER_S`) apply to a workdir in object
+    storage."""
     if storage.is_remote(workdir):
-        with _object_lock(storage.path(workdir), what, renew_every_s, stale_after_s) as holding:
+        with _object_lock(storage.path(workdir), what, RENEW_EVERY_S if renew_every_s is None else renew_every_s,
+                          STALE_AFTER_S if stale_after_s is None else stale_after_s) as holding:
             yield holding
         return
     workdir = Path(workdir)
@@ -140,14 +152,19 @@ def _dead_here(holder: dict) -> bool:
     return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not atomic.running(pid)
 
 
-def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int]:
+def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int, float]:
+    """`(record, generation, sent)`: the lock taken, with the monotonic time its creation was sent."""
     record = _record(what)
     data = json.dumps(record).encode()
     for _ in range(3):  # the lock may vanish between a refused create and the read of its holder
+        sent = time.monotonic()
         generation = storage.create_new(lock, data)
+        current = None if generation is not None else storage.read_version(lock)
+        if current is not None and _parse(current).get("nonce") == record["nonce"]:
+            generation = current.generation  # this very create, retried by the client after the store applied it
         if generation is not None:
-            return record, generation
-        current = storage.read_version(lock)
+            _require_preconditions(lock, data, generation)
+            return record, generation, sent
         if current is None:
             continue
         if not current.data.strip():  # a released local lock (an empty file), copied up with its workdir
@@ -164,35 +181,88 @@ def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int]:
     raise _busy(lock.parent, None, " (its lock changed hands while this run tried to take it)")
 
 
+def _require_preconditions(lock, data: bytes, generation: int) -> None:
+    """Refuses a store on which this lock would keep nobody out: one that carries out a write conditional on a
+    generation the object does not have. Both kinds the lock uses are tried, each of which must be refused: creating
+    the object just created, and replacing it on another generation."""
+    if storage.create_new(lock, data) is None and storage.replace_version(lock, data, generation + 1) is None:
+        return
+    current = storage.read_version(lock)
+    if current is not None:
+        storage.delete_version(lock, current.generation)
+    raise storage.StorageError(
+        f"{storage.bucket(lock)}: this store ignores generation preconditions (it carried out a write of {lock} "
+        "conditional on a generation the object did not have), so a lock there cannot keep a second run out of the "
+        "workdir; keep the workdir on a local disk, or in a store that honours them (Google Cloud Storage does)")
+
+
+class _ObjectHolding(Holding):
+    """An object lock held: renewed by a thread every `renew_every_s`, and by `check` before a write whenever its last
+    renewal is half of `stale_after_s` old (this process or the store stalled), so that a run another one took over
+    learns it before it writes."""
+
+    def __init__(self, lock, record: dict, generation: int, sent: float, renew_every_s: float, stale_after_s: float):
+        super().__init__()
+        self.lock, self.record, self.generation = lock, record, generation
+        self.renewed = sent  # monotonic time the last write of the lock that the store applied was sent
+        self.renew_every_s, self.stale_after_s = renew_every_s, stale_after_s
+        self.renewing = threading.Lock()  # the renewal thread's and a writer's
+
+    def check(self) -> None:
+        while not self.lost and time.monotonic() - self.renewed > self.stale_after_s / 2:
+            try:
+                self.renew()
+            except storage.StorageError as err:  # the write would meet the same store: wait for it as the write would
+                logging.warning("could not renew the workdir lock %s before writing: %s", self.lock, err)
+                time.sleep(self.renew_every_s)
+        super().check()
+
+    def renew(self) -> None:
+        """Replaces the lock if it is still the version this run wrote last; a refusal reads it before concluding."""
+        with self.renewing:
+            if self.lost:
+                return
+            sent = time.monotonic()
+            data = json.dumps(dict(self.record, renewed=time.time())).encode()
+            renewed = storage.replace_version(self.lock, data, self.generation)
+            if renewed is not None:
+                self.generation, self.renewed = renewed, sent
+                return
+            current = storage.read_version(self.lock)
+            holder = None if current is None else _parse(current)
+            if holder is not None and holder.get("nonce") == self.record["nonce"]:
+                logging.warning("%s: an earlier renewal of this run's lock landed late (the store was slow) and moved "
+                                "its generation; still held", self.lock)
+                self.generation = current.generation  # when that write landed is unknown: `renewed` stays
+                return
+            now = "it was deleted" if holder is None else f"it now names {_describe(holder)}"
+            self.lost = (f"{self.lock} was taken over by another run ({now}) after this run went without renewing it "
+                         "long enough to be presumed dead (this process or the store stalled); stopping without "
+                         f"writing anything more to {self.lock.parent}, which is that run's now")
+            logging.error("%s", self.lost)
+
+
 @contextlib.contextmanager
 def _object_lock(workdir, what: str, renew_every_s: float, stale_after_s: float) -> Iterator[Holding]:
     lock = workdir / LOCK_FILE
-    record, generation = _acquire(lock, what, stale_after_s)
-    holding, stop = Holding(), threading.Event()
+    holding = _ObjectHolding(lock, *_acquire(lock, what, stale_after_s), renew_every_s, stale_after_s)
+    stop = threading.Event()
 
     def renew():
-        nonlocal generation
-        while not stop.wait(renew_every_s):
+        while not stop.wait(renew_every_s) and not holding.lost:
             try:
-                renewed = storage.replace_version(lock, json.dumps(dict(record, renewed=time.time())).encode(),
-                                                  generation)
+                holding.renew()
             except storage.StorageError as err:  # the store is briefly unreachable: try again next period
                 logging.warning("could not renew the workdir lock %s: %s", lock, err)
-                continue
-            if renewed is None:
-                holding.lost = (f"{lock} was taken over by another run (or deleted) after this one failed to renew it "
-                                f"for {stale_after_s:.0f} s; stopping so as not to write over that run's checkpoints")
-                logging.error("%s", holding.lost)
-                return
-            generation = renewed
 
     renewer = threading.Thread(target=renew, name="workdir-lock-renewal", daemon=True)
     renewer.start()
     try:
-        yield holding
+        with storage.fence(workdir, holding.check):
+            yield holding
     finally:
         stop.set()
         renewer.join()
         if not holding.lost:
             with contextlib.suppress(storage.StorageError):  # unreleased, it goes stale and is taken over
-                storage.delete_version(lock, generation)
+                storage.delete_version(lock, holding.generation)
