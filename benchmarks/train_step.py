@@ -53,7 +53,8 @@ MASK_PROB = 0.15
 
 
 def model_config(family: str, size: str, seq: int, trained_length: int | None, kernel: str, block_size: int,
-                 dropout: float | None = None, relative_terms: str = "auto") -> tuple[ModelConfig, object]:
+                 dropout: float | None = None, relative_terms: str = "auto",
+                 dtype: str | None = None) -> tuple[ModelConfig, object]:
     """The `configs/<family>.py:<size>` model trained at `trained_length` (default `seq`) and its train config.
 
     DeBERTa's relative table follows the training length (configs/deberta.py); BERT's absolute table
@@ -65,6 +66,10 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
                  relative_terms=relative_terms)
     if dropout is not None:
         model.update(hidden_dropout=dropout, attention_dropout=dropout)
+    if kernel == "cudnn":  # cuDNN's kernel has no attention dropout; the hidden dropout stays
+        model.update(attention_dropout=0.0)
+    if dtype is not None:
+        model.update(dtype=dtype)
     model.update(max_position_embeddings=max(model["max_position_embeddings"], config.data.seq_len),
                  trained_length=config.data.seq_len, absolute_position_policy="clip")
     return ModelConfig.from_dict(model), config.train
@@ -81,10 +86,10 @@ def model_flops_per_token(cfg: ModelConfig, seq: int, batch: int, head_everywher
     return analysis.model_flops(cfg, batch, seq, predicted, train=False) / (batch * seq)
 
 
-def matmul_peak(n: int = 2048) -> Callable[[], float]:
-    """A step that times one `n x n` float32 `jnp.dot` and returns its FLOP/s: the machine's practical
-    matmul peak, measured in the rounds alongside the cases (the best round counts)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def matmul_peak(n: int = 2048, dtype: str = "float32") -> Callable[[], float]:
+    """A step that times one `n x n` `jnp.dot` in `dtype` (the models') and returns its FLOP/s: the machine's
+    practical matmul peak, measured in the rounds alongside the cases (the best round counts)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     dot(a, a).block_until_ready()
     return lambda: 2 * n**3 / _timed(lambda: dot(a, a).block_until_ready())
@@ -187,7 +192,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mode", choices=("train", "eval"), default="train")
     parser.add_argument("--kernel", default="dense",
-                        help="comma-separated: dense, blockwise, pallas (GPU; interpret mode elsewhere)")
+                        help="comma-separated: dense, blockwise, pallas (fused; interpreted off a GPU), cudnn "
+                             "(BERT: jax.nn.dot_product_attention, without attention dropout)")
     parser.add_argument("--block-size", type=int, default=512, help="keys per block of the blockwise kernel")
     parser.add_argument("--relative-terms", default="auto",
                         help="comma-separated: how the dense kernel computes DeBERTa's c2p / p2c (auto, gather, shift)")
@@ -200,6 +206,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dropout", type=float, default=None,
                         help="hidden and attention dropout rate of both implementations (default: the config's); "
                              "0 shows what the masks cost")
+    parser.add_argument("--dtype", default=None, help="the models' dtype (default: the config's), e.g. bfloat16 on "
+                        "GPUs; the matmul peak MFU divides by is measured in it")
     parser.add_argument("--compile-only", action="store_true", help="report memory without running the step")
     parser.add_argument("--compare-transformers", action="store_true")
     args = parser.parse_args(argv)
@@ -211,7 +219,7 @@ def main(argv=None) -> None:
             for kernel, relative_terms in ((name, terms) for name in args.kernel.split(",") for terms in (
                     args.relative_terms.split(",") if family == "deberta" and name == "dense" else ["auto"])):
                 cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size,
-                                                 args.dropout, relative_terms)
+                                                 args.dropout, relative_terms, args.dtype)
                 passes = 3 if args.mode == "train" else 1
                 row = dict(model=family, size=args.size, mode=args.mode, kernel=kernel, seq=seq, batch=args.batch,
                            relative_terms=cfg.relative_terms_for(jax.default_backend()),
@@ -232,7 +240,7 @@ def main(argv=None) -> None:
 
     # Rounds: every case (and the matmul peak) once per round, so that all of them see the same
     # share of a busy machine; each keeps its fastest timed round.
-    peak, best_peak = matmul_peak(), 0.0
+    peak, best_peak = matmul_peak(dtype=args.dtype or "float32"), 0.0
     times = {name: [] for name in runs}
     for round_index in range(args.warmup + args.steps):
         best_peak = max(best_peak, peak())
