@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, combine_scores, mask_keys, saturation
-from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys, take
 
 # Queries and keys per tile. Triton wants powers of two of at least 16; 64 x 64 float32 scores, their gathers and
 # the accumulators fit a thread block's registers at head sizes up to 128.
@@ -117,15 +117,10 @@ class _Refs:
     bias: object
 
 
-def _take(refs: list, *on) -> list:
-    """The next items of `refs` (consumed), one for each flag that is on, None for each that is off."""
-    return [refs.pop(0) if flag else None for flag in on]
-
-
 def _input_refs(refs: list, lay: Layout) -> _Refs:
     s = lay.shape
-    fixed = _take(refs, True, True, True, True)
-    optional = _take(refs, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
+    fixed = take(refs, True, True, True, True)
+    optional = take(refs, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
     return _Refs(*fixed, *optional)
 
 
@@ -244,14 +239,14 @@ def _backward_kernel(*refs, lay: Layout):
     tiles, then dq (and c2p's per-distance gradient, the temperature's) of query tile `tile` over its key tiles."""
     refs = list(refs)
     ins = _input_refs(refs, lay)
-    do_ref, lse_ref, delta_ref = _take(refs, True, True, True)
+    do_ref, lse_ref, delta_ref = take(refs, True, True, True)
     s, t = lay.shape, lay.shape.tile
-    _take(refs, s.p2c, lay.query_grads)  # the zeros the per-distance gradients start from: their outputs' buffers
+    take(refs, s.p2c, lay.query_grads)  # the zeros the per-distance gradients start from: their outputs' buffers
     on = (True, True, True, s.p2c, s.p2c and lay.ends is not None, s.p2c and lay.ends is not None,
           lay.query_grads, lay.query_grads and lay.ends is not None, lay.query_grads and lay.ends is not None,
           s.temperature)
     (dk_ref, dv_ref, dq_ref, key_grad_ref, key_lo_ref, key_hi_ref, query_grad_ref, query_lo_ref, query_hi_ref,
-     dt_ref) = _take(refs, *on)
+     dt_ref) = take(refs, *on)
     tile = pl.program_id(2)
     local = jnp.arange(t)
     zeros = jnp.zeros((t,), jnp.float32)
@@ -426,7 +421,7 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     aliases = [(len(inputs), 3)] * s.p2c + [(len(inputs) + s.p2c, 3 + s.p2c * (1 + 2 * ends))] * lay.query_grads
     outputs = _call(_backward_kernel, lay, inputs + zeros, [shape for _, shape, _ in on], [spec for *_, spec in on],
                     aliases)
-    dk, dv, dq, key_grad, key_lo, key_hi, query_grad, query_lo, query_hi, dt = _take(
+    dk, dv, dq, key_grad, key_lo, key_hi, query_grad, query_lo, query_hi, dt = take(
         list(outputs), *[item[0] for item in items])
 
     _, _, temperature, pos_key, pos_query, bias = options

@@ -77,7 +77,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, saturation
-from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys, take
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
 # the matrix unit (128 x 128 on v5e) runs full tiles.
@@ -269,11 +269,6 @@ def _table_rows(shape: KernelShape, options, query_tile, key_tile):
     return rows(options.ec, -1), rows(options.eq, 1), rows(options.eb, -1)
 
 
-def _pop(refs: list, *on) -> list:
-    """The next items of `refs` (consumed), one for each flag that is on, None for each that is off."""
-    return [refs.pop(0) if flag else None for flag in on]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """The refs of a kernel's optional operands, None when off: the dropout hashes of the tile's queries and keys,
@@ -293,10 +288,10 @@ class _Options:
 def _split_refs(refs, shape: KernelShape, count: int):
     """The leading `count` refs, the optional operands (`_options` order), then the rest."""
     refs = list(refs)
-    head = _pop(refs, *[True] * count)
+    head = take(refs, *[True] * count)
     on = (shape.dropout, shape.dropout, shape.temperature, shape.c2p, shape.p2c, shape.bias, shape.far_c2p,
           shape.far_p2c)
-    return head, _Options(*_pop(refs, *on)), refs
+    return head, _Options(*take(refs, *on)), refs
 
 
 def _keep(shape: KernelShape, options: _Options):
@@ -311,7 +306,7 @@ def _keep(shape: KernelShape, options: _Options):
 # ------------------------------------------------------------------------------------------------- forward
 def _forward_kernel(*refs, shape: KernelShape, tiles):
     (q_ref, k_ref, v_ref, mask_ref), options, rest = _split_refs(refs, shape, 4)
-    o_ref, lse_ref, m_sc, l_sc, acc_sc, c2p_sc, p2c_sc = _pop(rest, True, True, True, True, True, shape.c2p,
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, c2p_sc, p2c_sc = take(rest, True, True, True, True, True, shape.c2p,
                                                                shape.p2c)
     step = pl.program_id(3)
     query_tile, key_tile = tiles(pl.program_id(2), step)
@@ -394,9 +389,9 @@ def _backward_kernel(*refs, shape: KernelShape, tiles):
     gradients; the end rows' gradients are those sums against the queries and keys, accumulated over the head."""
     (q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref), options, rest = _split_refs(refs, shape, 7)
     on = (True, True, True, shape.c2p, shape.p2c, shape.bias, shape.temperature, shape.far_c2p, shape.far_p2c)
-    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_cr_ref, d_pr_ref = _pop(rest, *on)
-    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, cr_acc, pr_acc = _pop(rest, *on)
-    p2c_carried, p2c_pending, c2p_carried, c2p_pending, p2c_far = _pop(
+    dk_ref, dv_ref, dq_ref, d_ec_ref, d_eq_ref, d_eb_ref, dt_ref, d_cr_ref, d_pr_ref = take(rest, *on)
+    dk_sc, dv_sc, dq_sc, ec_acc, eq_acc, eb_acc, dt_sc, cr_acc, pr_acc = take(rest, *on)
+    p2c_carried, p2c_pending, c2p_carried, c2p_pending, p2c_far = take(
         rest, shape.p2c, shape.p2c, shape.c2p, shape.c2p, shape.far_p2c)
     t = shape.tile
     step = pl.program_id(3)
@@ -688,7 +683,7 @@ def _attention_bwd(shape: KernelShape, residuals, cotangents):
         [scratch for _, _, _, scratch in on] + carried,
         (_PARALLEL, _ARBITRARY if tables_accumulate else _PARALLEL, _ARBITRARY, _ARBITRARY), resident="k",
         order=order)
-    d_ec, d_eq, d_eb, dt, d_cr, d_pr = _pop(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature,
+    d_ec, d_eq, d_eb, dt, d_cr, d_pr = take(rest, shape.c2p, shape.p2c, shape.bias, shape.temperature,
                                             shape.far_c2p, shape.far_p2c)
     if shape.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)

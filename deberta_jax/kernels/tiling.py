@@ -138,6 +138,12 @@ class KernelShape:
         return jnp.minimum(jax.lax.div(first, self.tile), self.num_tiles - self.query_band) + step
 
 
+def take(items: list, *on) -> list:
+    """The next items of `items` (consumed), one for each flag that is on, None for each that is off: a kernel's
+    refs and outputs, whose optional ones exist only when their option is on."""
+    return [items.pop(0) if flag else None for flag in on]
+
+
 def batch_shards(attend, specs):
     """`attend` run by each device on its rows of the batch when the surrounding mesh has more than one device:
     XLA cannot partition a Pallas call, and a run's mesh splits the batch over all of its axes
