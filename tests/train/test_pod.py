@@ -335,32 +335,52 @@ def test_a_renewal_that_landed_late_is_recognised_as_the_runs_own(bucket, caplog
     assert not storage.path(lock).exists()
 
 
-@pytest.mark.parametrize("without", ["preconditions", "generations"])
+def test_a_holder_whose_renewals_stopped_renews_before_it_writes_and_is_refused_once_taken_over(bucket):
+    """Renewals every 60 s against a staleness limit of 1 s: the lock soon looks dead, as when its holder stalls, and
+    another run takes it over. The holder's next write renews the lock first (its last renewal is past half the
+    limit), learns that, and is refused before anything is written."""
+    workdir, lock = f"{bucket}/run", f"{bucket}/run/{workdir_lock.LOCK_FILE}"
+    metrics = f"{workdir}/{metrics_io.METRICS_FILE}"
+    with workdir_lock.hold(workdir, renew_every_s=60, stale_after_s=1):
+        storage.write_text(metrics, "written while held\n")
+        time.sleep(1.5)
+        assert storage.delete_version(lock, storage.read_version(lock).generation)  # the other run's takeover
+        assert storage.create_new(lock, json.dumps(dict(pid=1, host="another-vm", since=time.time())).encode())
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="it now names PID 1 on another-vm"):
+            storage.write_text(metrics, "written after the takeover\n")
+    assert storage.read_text(metrics) == "written while held\n"
+    assert json.loads(storage.read_text(lock))["host"] == "another-vm"
+
+
+@pytest.mark.parametrize("without, reason", [("preconditions", "this store ignores generation preconditions"),
+                                             ("generations", "the store reported no generation for")])
 def test_a_store_without_generation_preconditions_or_generations_is_refused_in_one_line(
-        gcs, bucket, monkeypatch, without):
+        gcs, bucket, monkeypatch, tmp_path, without, reason):
     """A store that carries out writes conditional on a generation its object does not have would let two runs
-    hold one lock; one that reports no generations cannot say which version a run wrote. Either is refused when the
-    lock is taken, naming the store and why, and leaves no lock behind."""
+    hold one lock; one that reports no generations cannot tell which version a run wrote. train.py on either is
+    refused when it takes the lock, before anything is compiled, in one line naming the store and why, and leaves
+    no lock behind; `read_version` on a store without generations says so."""
     from deberta_jax.storage import objects
     from tests.gcs_proxy import GcsProxy
 
     lock = f"{bucket}/run/{workdir_lock.LOCK_FILE}"
     with GcsProxy(gcs.url, without) as proxy:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        monkeypatch.setattr(objects, "_CLIENT", None)
-        with pytest.raises(storage.StorageError) as refused:
-            with workdir_lock.hold(f"{bucket}/run"):
-                pass
+        result = subprocess.run(
+            [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{bucket}/run",
+             "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=proxy.url))
         if without == "generations":
+            monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+            monkeypatch.setattr(objects, "_CLIENT", None)
             storage.write_text(lock, "{}")
-            with pytest.raises(storage.StorageError, match="reported no generation"):
+            with pytest.raises(storage.StorageError, match=reason):
                 storage.read_version(lock)
             storage.path(lock).unlink()
-    message = str(refused.value)
-    assert "\n" not in message and message.startswith(f"{bucket}: "), message
-    assert ("ignores generation preconditions" if without == "preconditions" else "reported no generation") in message
-    monkeypatch.setattr(objects, "_CLIENT", None)
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+            monkeypatch.undo()
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "model:" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-2].startswith(f"train.py: {bucket}: {reason}"), result.stderr[-2000:]
     assert storage.read_version(lock) is None
 
 
