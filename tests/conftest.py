@@ -16,9 +16,12 @@ entry another worker is still writing reads as a miss (JAX warns and compiles), 
 import os
 
 # libtpu is installed for the TPU compiles of tests/aot/test_aot.py: without this, JAX would look for a TPU first.
-# Parallel workers each load libtpu for those compiles, which it allows only when told to.
+# Parallel workers each load libtpu for those compiles, which it allows only when told to. The CUDA plugin
+# (jax[cuda12], for the GPU compiles of tests/aot/test_aot_gpu.py) must not check the CUDA libraries against a
+# driver when it loads: there is none here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402 - after the platform is chosen
 import pytest  # noqa: E402

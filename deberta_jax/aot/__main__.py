@@ -1,40 +1,55 @@
-"""Does a config fit a TPU slice, how long is its step, what MFU should it reach? Compiled here, on the CPU.
+"""Does a config fit a TPU slice or a GPU node, how long is its step, what MFU should it reach? Compiled here, on
+the CPU.
 
-    pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"   # libtpu, once
+    pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"      # libtpu, once (TPU targets)
+    pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"   # the CUDA plugin (GPU targets)
     python -m deberta_jax.aot --config configs/deberta.py:base --topology v5e:4x4 \\
         --config.model.dtype=bfloat16 --config.mesh.fsdp=16 [--config.* overrides]
+    python -m deberta_jax.aot --config configs/deberta.py:base --topology h100:8 \\
+        --config.model.dtype=bfloat16 --config.mesh.fsdp=8
 
-Compiles, for the named slice, the train step and eval step `train.py` builds from the config and the length
-study's forward at `--length_multiple` times the training length with each of `--length_kernels` (as trained, and
-under each of `--length_methods`), then prints per program: HBM per chip against the chip's capacity, FLOPs, bytes
-and collective traffic per chip, the count of gathers left in the optimized HLO, a roofline step time with
-tokens/s and MFU, and the compile time. A program that does not fit gets the knobs that would shrink it.
-`--format markdown` prints the same figures as a table; `--out FILE.json` writes them. Nothing runs on a TPU and no
-network address is contacted.
+`--topology` is a TPU slice (GENERATION:GRID: v5e:4x4, v5p:2x2x2) or GPU[:COUNT] GPUs of one node (h100, h200, a100;
+h100:8 is an 8-GPU node, one process as train.py runs there). Compiles, for it, the train step and eval step
+`train.py` builds from the config and the length study's forward at `--length_multiple` times the training length
+with each of `--length_kernels` (as trained, and under each of `--length_methods`), then prints per program: memory
+per chip (per GPU) against its capacity, FLOPs, bytes and collective traffic per chip, the count of gathers left in
+the optimized HLO, a roofline step time with tokens/s and MFU, and the compile time (on GPU XLA gives no cost
+analysis: FLOPs are the model's own, bytes are unknown and the roofline is compute and NVLink alone). A program that
+does not fit gets the knobs that would shrink it. `--format markdown` prints the same figures as a table; `--out
+FILE.json` writes them. Nothing runs on a TPU or GPU (jax runs on its CPU backend here, even on a machine that has
+one) and no network address is contacted.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+# Before jax is first imported (below, through the package's modules; chips imports no jax): jax on its CPU
+# backend, and the CUDA plugin loaded without a driver, so that GPU targets can be made. A user's values are kept.
+from deberta_jax.aot import chips  # noqa: I001 - must run before the imports that load jax
 
-from absl import app, flags
-from ml_collections import config_flags
+chips.prepare_environment()
 
-from deberta_jax import storage
-from deberta_jax.aot import analysis, build
-from deberta_jax.aot.chips import GIB, TopologyError, tpu_slice
-from deberta_jax.train import config_checks
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from deberta_jax import storage  # noqa: E402
+from deberta_jax.aot import analysis, build  # noqa: E402
+from deberta_jax.aot.chips import GIB, TopologyError  # noqa: E402
+from deberta_jax.train import config_checks  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:base.", lock_config=True)
-flags.DEFINE_string("topology", None, "TPU slice: GENERATION:GRID, e.g. v5e:4x4, v6e:2x4, v5p:2x2x2, v4:2x2x4.")
-flags.DEFINE_integer("num_slices", 1, "Slices joined over the data-center network (multi-slice); data parallel "
-                     "across them.")
+flags.DEFINE_string("topology", None, "TPU slice GENERATION:GRID, e.g. v5e:4x4, v6e:2x4, v5p:2x2x2, v4:2x2x4; or "
+                    "GPU[:COUNT], COUNT GPUs of one node (1 to 8) of h100, h200, a100, e.g. h100 or h100:8.")
+flags.DEFINE_integer("num_slices", 1, "TPU slices joined over the data-center network (multi-slice); data parallel "
+                     "across them. GPU targets are one node.")
 flags.DEFINE_list("programs", list(build.PROGRAMS), f"Which programs to compile, of {list(build.PROGRAMS)}.")
 flags.DEFINE_integer("length_multiple", 8, "The length study's forward is compiled at this multiple of "
                      "config.data.seq_len.")
-flags.DEFINE_list("length_kernels", list(build.LENGTH_KERNELS), "Attention kernels for the length forward.")
+flags.DEFINE_list("length_kernels", None, "Attention kernels for the length forward (default: "
+                  f"{','.join(build.LENGTH_KERNELS['tpu'])} on TPU, {','.join(build.LENGTH_KERNELS['gpu'])} on GPU).")
 flags.DEFINE_list("length_methods", [], "Also compile the length forward under each of these length methods "
                   "(eval.py --methods; e.g. log_length,window,interpolate_distances), with each length kernel.")
 flags.DEFINE_enum("format", "text", ["text", "markdown"], "Per-program blocks, or one markdown table row each.")
@@ -44,6 +59,10 @@ FLAGS = flags.FLAGS
 MARKDOWN_HEADER = ("| config | slice | program | HBM / chip (GiB) | fits | TFLOP / chip | GB / chip "
                    "| gathers (largest, MB) | roofline (ms) | bound | tokens/s | MFU ceiling | compile (s) |\n"
                    "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
+# The same columns for GPUs: memory per GPU, the model's FLOPs (XLA's GPU compiler counts none), no bytes, no MFU.
+GPU_MARKDOWN_HEADER = ("| config | GPUs | program | memory / GPU (GiB) | fits | TFLOP / GPU (model) | GB / GPU "
+                       "| gathers (largest, MB) | roofline (ms) | bound | tokens/s | MFU ceiling | compile (s) |\n"
+                       "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
 
 
 def describe(report: analysis.ProgramReport) -> str:
@@ -54,10 +73,25 @@ def describe(report: analysis.ProgramReport) -> str:
                 f"(refused after {report.compile_s:.1f} s)")
     if report.cost is None:
         return f"{report.name}: not compiled: {report.error}"
-    cost, line = report.cost, report.roofline
+    cost, line, chip = report.cost, report.roofline, report.chip
+    if chip.platform == "gpu":
+        return "\n".join([
+            f"{report.name}: compiled in {report.compile_s:.1f} s" + ("" if report.num_chips > 1 else " (one GPU)"),
+            f"  memory per GPU  {cost.hbm_bytes / GIB:.2f} of {build._capacity(chip)} GiB "
+            f"({'fits' if report.fits else 'DOES NOT FIT'}; arguments {cost.argument_bytes / GIB:.2f}, "
+            f"temporaries {cost.temp_bytes / GIB:.2f}, outputs aliased to donated arguments "
+            f"{cost.alias_bytes / GIB:.2f})",
+            f"  per GPU         {report.model_flops / report.num_chips / 1e12:.3f} TFLOP by the model's count (XLA's "
+            f"GPU compiler gives no cost analysis: no FLOPs or bytes of its own); {cost.collective_bytes / 1e9:.2f} GB "
+            f"of collectives, {cost.gathers} gathers in the optimized HLO (largest "
+            f"{cost.largest_gather_bytes / 1e6:.1f} MB)" + (f"; {cost.loops} while loops" if cost.loops else ""),
+            f"  roofline        {line.seconds * 1e3:.2f} ms at least ({line.bound}-bound: compute "
+            f"{line.compute_s * 1e3:.2f}, NVLink {line.ici_s * 1e3:.2f} ms; HBM time unknown) -> at most "
+            f"{report.tokens_per_s:,.0f} tokens/s",
+        ])
     return "\n".join([
         f"{report.name}: compiled in {report.compile_s:.1f} s" + ("" if report.num_chips > 1 else " (one chip)"),
-        f"  HBM per chip  {cost.hbm_bytes / GIB:.2f} of {report.chip.hbm_bytes / GIB:.0f} GiB "
+        f"  HBM per chip  {cost.hbm_bytes / GIB:.2f} of {build._capacity(chip)} GiB "
         f"({'fits' if report.fits else 'DOES NOT FIT'}; arguments {cost.argument_bytes / GIB:.2f}, "
         f"temporaries {cost.temp_bytes / GIB:.2f}, outputs aliased to donated arguments {cost.alias_bytes / GIB:.2f})",
         f"  per chip      {cost.flops / 1e12:.3f} TFLOP by XLA's count, "
@@ -78,10 +112,12 @@ def markdown_row(label: str, slice_name: str, report: analysis.ProgramReport) ->
         return (f"| {label} | {slice_name} | {report.name} | {needed} | {fits} | – | – | – | – | – | – | – "
                 f"| {report.compile_s:.0f} |")
     cost, line = report.cost, report.roofline
+    gb = "–" if cost.bytes_accessed is None else f"{cost.bytes_accessed / 1e9:.1f}"  # unknown on GPU
+    mfu = "–" if report.mfu is None else f"{report.mfu:.0%}"
     return (f"| {label} | {slice_name} | {report.name} | {cost.hbm_bytes / GIB:.2f} | {'yes' if report.fits else 'no'} "
-            f"| {max(cost.flops, report.model_flops / report.num_chips) / 1e12:.2f} | {cost.bytes_accessed / 1e9:.1f} "
+            f"| {max(cost.flops or 0.0, report.model_flops / report.num_chips) / 1e12:.2f} | {gb} "
             f"| {cost.gathers} ({cost.largest_gather_bytes / 1e6:.1f}) | {line.seconds * 1e3:.1f} "
-            f"| {line.bound} | {report.tokens_per_s:,.0f} | {report.mfu:.0%} | {report.compile_s:.0f} |")
+            f"| {line.bound} | {report.tokens_per_s:,.0f} | {mfu} | {report.compile_s:.0f} |")
 
 
 def main(argv):
@@ -102,7 +138,7 @@ def main(argv):
         except OSError as err:
             sys.exit(f"error: {err}")
     try:
-        tpu = tpu_slice(FLAGS.topology, FLAGS.num_slices)
+        tpu = chips.target(FLAGS.topology, FLAGS.num_slices)
         reports = build.compile_run(config, tpu, programs=FLAGS.programs, length_multiple=FLAGS.length_multiple,
                                     length_kernels=FLAGS.length_kernels, length_methods=FLAGS.length_methods)
     except (TopologyError, config_checks.ConfigError, RuntimeError, ValueError) as err:
@@ -112,7 +148,8 @@ def main(argv):
     if FLAGS.format == "markdown":
         print("\n".join(markdown_row(label, tpu.name, report) for report in reports))
     else:
-        print(f"{label} on {tpu.name} ({tpu.num_chips} chips; mesh data x fsdp = "
+        print(f"{label} on {tpu.name} ({tpu.num_chips} {tpu.chip.unit}{'s' if tpu.num_chips > 1 else ''}; "
+              "mesh data x fsdp = "
               f"{tpu.num_chips // config.mesh.fsdp} x {config.mesh.fsdp}); seq_len {config.data.seq_len}, global batch "
               f"{config.train.batch_size}, grad_accum_steps {config.train.grad_accum_steps}, dtype {model.dtype}, "
               f"remat {model.remat}, scan_layers {model.scan_layers}, kernel {model.attention_kernel}"

@@ -1,4 +1,5 @@
-"""What a compiled program costs on a chip: memory per chip, FLOPs and bytes, a roofline step time and MFU.
+"""What a compiled program costs on a chip (a TPU chip or a GPU): memory per chip, FLOPs and bytes, a roofline step
+time and MFU.
 
 Everything here reads the compiled executable (`memory_analysis()`, `cost_analysis()`, the optimized HLO) except
 `model_flops`, the FLOPs the model needs by its own arithmetic, which MFU divides by (as PaLM's appendix B
@@ -6,7 +7,10 @@ defines it: recomputation under remat is work the chip does but not work the mod
 
 The roofline step time is the longest of three lower bounds, each a resource used at its published peak:
 compute (the program's FLOPs at the chip's bfloat16 peak), memory (its HBM bytes at the chip's bandwidth) and
-inter-chip traffic (the bytes of its collectives at the chip's ICI bandwidth). XLA's cost analysis counts the body
+inter-chip traffic (the bytes of its collectives at the chip's ICI or NVLink bandwidth). XLA's GPU compiler gives no
+cost analysis (`cost_analysis()` is None): there the compute bound is the model's own FLOPs and the memory bound is
+unknown (None), so a GPU roofline is a floor set by compute and NVLink alone, with no MFU ceiling. XLA's cost
+analysis counts the body
 of a `while` loop once, and under wide FSDP the TPU compiler turns all-gathered matmuls into loops over the shards
 (collective matmuls, "windowed einsums"): on v5e:4x4 with fsdp=16 it reports a third of BERT-base's forward FLOPs.
 The compute bound therefore uses the larger of XLA's count and the model's own (`model_flops` per chip), and the
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from deberta_jax.aot.chips import GIB, Chip
+from deberta_jax.aot.chips import GIB, JAX_GPU_MEMORY_FRACTION, Chip
 from deberta_jax.model import positions
 from deberta_jax.model.config import ModelConfig
 
@@ -44,8 +48,8 @@ class ProgramCost:
     alias_bytes: int  # outputs written into donated arguments: counted once
     temp_bytes: int
     code_bytes: int
-    flops: float
-    bytes_accessed: float
+    flops: float | None  # None where XLA gives no cost analysis (GPU)
+    bytes_accessed: float | None  # likewise
     collective_bytes: int
     gathers: int  # gather instructions in the optimized HLO (fusions included)
     largest_gather_bytes: int  # the largest output among them: a [B, H, N, N] one is DeBERTa's gathers at work
@@ -88,13 +92,15 @@ def program_cost(compiled) -> ProgramCost:
     """The per-chip figures of a compiled executable (`jax.jit(f).lower(...).compile()`)."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per computation
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost  # older jax: one dict per computation
     census = hlo_census(compiled.as_text())
+    known = bool(cost)  # None (or empty) from XLA's GPU compiler
     return ProgramCost(
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-        code_bytes=int(memory.generated_code_size_in_bytes), flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)), **census)
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)) if known else None,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)) if known else None, **census)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,24 +129,28 @@ def out_of_memory(message: str) -> OutOfMemory | None:
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     compute_s: float
-    memory_s: float
-    ici_s: float  # 0 when the chip's ICI bandwidth is not published
+    memory_s: float | None  # None when the program's bytes are unknown (no cost analysis: GPU)
+    ici_s: float  # over ICI or NVLink; 0 when the chip's bandwidth is not published
+    link: str = "ici"  # the name of the chip-to-chip bound: "ici" (TPU) or "nvlink" (GPU)
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s, self.ici_s)
+        """The longest known bound (a floor on the step time; lower still where the memory bound is unknown)."""
+        return max(self.compute_s, self.memory_s or 0.0, self.ici_s)
 
     @property
     def bound(self) -> str:
-        """Which resource sets the roofline: compute, memory or ici."""
-        return max((self.compute_s, "compute"), (self.memory_s, "memory"), (self.ici_s, "ici"))[1]
+        """Which resource sets the roofline: compute, memory, or the link (ici, nvlink)."""
+        return max((self.compute_s, "compute"), (self.memory_s or 0.0, "memory"), (self.ici_s, self.link))[1]
 
 
 def roofline(cost: ProgramCost, chip: Chip, model_flops_per_chip: float) -> Roofline:
-    """The three bounds of one chip's step; compute from the larger of XLA's FLOPs and the model's own."""
+    """The three bounds of one chip's step; compute from the larger of XLA's FLOPs and the model's own (the model's
+    alone where XLA gives no count), memory None where XLA gives no bytes."""
     ici = cost.collective_bytes / chip.ici_bandwidth if chip.ici_bandwidth else 0.0
-    flops = max(cost.flops, model_flops_per_chip)
-    return Roofline(compute_s=flops / chip.peak_flops, memory_s=cost.bytes_accessed / chip.hbm_bandwidth, ici_s=ici)
+    flops = max(cost.flops or 0.0, model_flops_per_chip)
+    memory = None if cost.bytes_accessed is None else cost.bytes_accessed / chip.hbm_bandwidth
+    return Roofline(compute_s=flops / chip.peak_flops, memory_s=memory, ici_s=ici, link=chip.link.lower())
 
 
 def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, train: bool) -> float:
@@ -169,7 +179,7 @@ def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, tr
 
 @dataclasses.dataclass(frozen=True)
 class ProgramReport:
-    """A program compiled for a slice, with what it means for a run."""
+    """A program compiled for a slice or a GPU node, with what it means for a run."""
 
     name: str
     chip: Chip
@@ -179,7 +189,8 @@ class ProgramReport:
     compile_s: float
     cost: ProgramCost | None = None
     error: str | None = None  # why it did not compile
-    oom: OutOfMemory | None = None  # the error was libtpu finding it too large for a chip
+    oom: OutOfMemory | None = None  # the error was libtpu finding it too large for a chip (XLA's GPU compiler
+    # compiles any size; `fits` compares its memory with the GPU's)
 
     @property
     def roofline(self) -> Roofline:
@@ -201,9 +212,19 @@ class ProgramReport:
         return self.tokens / self.roofline.seconds
 
     @property
-    def mfu(self) -> float:
-        """Model FLOPs per second at the roofline step time, over the slice's peak."""
+    def mfu(self) -> float | None:
+        """Model FLOPs per second at the roofline step time, over the slice's peak; None where the memory bound is
+        unknown (GPU), as the ceiling would then be the compute bound's own 100%."""
+        if self.roofline.memory_s is None:
+            return None
         return self.model_flops / (self.roofline.seconds * self.num_chips * self.chip.peak_flops)
+
+    @property
+    def above_default_gpu_memory(self) -> bool:
+        """A GPU program that fits the GPU but needs more than JAX's GPU client takes by default
+        (`chips.JAX_GPU_MEMORY_FRACTION`): it runs only with XLA_PYTHON_CLIENT_MEM_FRACTION raised."""
+        return (self.chip.platform == "gpu" and self.fits
+                and self.cost.hbm_bytes > JAX_GPU_MEMORY_FRACTION * self.chip.hbm_bytes)
 
     def row(self) -> dict:
         """The figures as one flat record (JSON, tables)."""
@@ -212,13 +233,14 @@ class ProgramReport:
             oom = {} if self.oom is None else dict(fits=False, needs_at_least_gib=self.oom.required_bytes / GIB,
                                                    available_gib=self.oom.available_bytes / GIB)
             return {**out, **oom, "error": self.error}
-        line = self.roofline
-        return {**out, "hbm_gib": self.cost.hbm_bytes / GIB, "capacity_gib": self.chip.hbm_bytes / GIB,
-                "fits": self.fits, "temp_gib": self.cost.temp_bytes / GIB,
-                "argument_gib": self.cost.argument_bytes / GIB, "tflop": self.cost.flops / 1e12,
-                "gb_accessed": self.cost.bytes_accessed / 1e9, "collective_gb": self.cost.collective_bytes / 1e9,
-                "model_tflop": self.model_flops / self.num_chips / 1e12, "gathers": self.cost.gathers,
-                "largest_gather_mb": self.cost.largest_gather_bytes / 1e6,
-                "loops": self.cost.loops, "step_ms": line.seconds * 1e3, "bound": line.bound,
-                "compute_ms": line.compute_s * 1e3, "memory_ms": line.memory_s * 1e3, "ici_ms": line.ici_s * 1e3,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+        line, cost = self.roofline, self.cost
+        scaled = lambda value, unit: None if value is None else value / unit  # noqa: E731 - None: unknown (GPU)
+        return {**out, "hbm_gib": cost.hbm_bytes / GIB,
+                "capacity_gib": self.chip.hbm_bytes / GIB, "fits": self.fits, "temp_gib": cost.temp_bytes / GIB,
+                "argument_gib": cost.argument_bytes / GIB, "tflop": scaled(cost.flops, 1e12),
+                "gb_accessed": scaled(cost.bytes_accessed, 1e9), "collective_gb": cost.collective_bytes / 1e9,
+                "model_tflop": self.model_flops / self.num_chips / 1e12, "gathers": cost.gathers,
+                "largest_gather_mb": cost.largest_gather_bytes / 1e6,
+                "loops": cost.loops, "step_ms": line.seconds * 1e3, "bound": line.bound,
+                "compute_ms": line.compute_s * 1e3, "memory_ms": scaled(line.memory_s, 1e-3),
+                "ici_ms": line.ici_s * 1e3, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
