@@ -40,6 +40,7 @@ from deberta_jax.data import batches, errors, library_logs, packing, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
+from deberta_jax.storage import deadlines
 from deberta_jax.train import checkpoint, config_checks, metrics_io, preemption, sharding, workdir_lock
 from deberta_jax.train import programs as run_programs
 
@@ -47,6 +48,9 @@ config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs
 flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics, on a local disk or in "
                     "a bucket (gs://bucket/run); resumed if it has any.")
 flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() (multi-host runs).")
+flags.DEFINE_float("storage_deadline_s", deadlines.DEFAULT_LIMIT_S, "How long one call to object storage (a "
+                   "checkpoint save, an upload, a lock renewal) may run before the run stops with one line naming it: "
+                   "a store that accepts connections and never answers would otherwise hang it.", lower_bound=1)
 flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
                      "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
 
@@ -345,6 +349,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     library_logs.quiet()
+    deadlines.set_limit(FLAGS.storage_deadline_s, "train.py", "--storage_deadline_s")
     sharding.initialize_distributed(FLAGS.multiprocess)
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)

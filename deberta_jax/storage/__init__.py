@@ -16,7 +16,9 @@ directory. The few operations where object storage differs from a disk are here,
     instead of downloading every file;
   * a writer that can lose its workdir: `fence` makes every write under a folder ask a check first (the bucket
     lock's: a run whose lock another run took over writes nothing more);
-  * more ways to fail: `StorageError` names the bucket and the fix in one line.
+  * more ways to fail: `StorageError` names the bucket and the fix in one line, and a store that stops answering
+    ends the process with one line once a call has run `deadlines` long (`deadline`, in every call of this
+    package; `deadlines.set_limit` sets how long).
 
 Directory listings are never cached (`use_listings_cache=False`): another host may have written since.
 """
@@ -32,6 +34,7 @@ from deberta_jax.storage.paths import (
     check_writable,
     checksum,
     checksum_kind,
+    deadline,
     fence,
     filesystem,
     fingerprints,
@@ -54,7 +57,7 @@ from deberta_jax.storage.paths import (
 )
 
 __all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_fence", "check_writable",
-           "checksum", "checksum_kind", "create_new", "delete_version", "fence", "filesystem", "fingerprints", "glob",
-           "identity", "is_remote", "local_copy", "move_tree", "path", "read_bytes", "read_text", "read_version",
-           "reader", "remove_tree", "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree",
-           "write_bytes", "write_text"]
+           "checksum", "checksum_kind", "create_new", "deadline", "delete_version", "fence", "filesystem",
+           "fingerprints", "glob", "identity", "is_remote", "local_copy", "move_tree", "path", "read_bytes",
+           "read_text", "read_version", "reader", "remove_tree", "replace_version", "replacing", "reporting",
+           "tree_bytes", "upload_tree", "write_bytes", "write_text"]

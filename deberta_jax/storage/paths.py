@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import fsspec
 from etils import epath
 
-from deberta_jax.storage import atomic
+from deberta_jax.storage import atomic, deadlines
 
 # Object stores the project knows how to address; fsspec serves each through its own library.
 SCHEMES = ("gs", "s3")
@@ -78,11 +78,23 @@ def _key(value: PathLike) -> str:
 
 
 @contextlib.contextmanager
+def deadline(value: PathLike, doing: str) -> Iterator[None]:
+    """Runs the block as one call to the store holding `value`, `doing` it ("save the checkpoint of step 4 to"): the
+    process ends with one line if it runs past the limit (`deadlines`). Local paths have none."""
+    if not is_remote(value):
+        yield
+        return
+    with deadlines.watched(f"{doing} {os.fspath(value)}", bucket(value)):
+        yield
+
+
+@contextlib.contextmanager
 def reporting(value: PathLike, doing: str) -> Iterator[None]:
     """Turns what a store's client raises (timeouts, refused connections, HTTP errors, missing buckets) into a
-    `StorageError` naming the bucket; local paths' errors pass as they are."""
+    `StorageError` naming the bucket; local paths' errors pass as they are. The block runs under a `deadline`."""
     try:
-        yield
+        with deadline(value, doing):
+            yield
     except StorageError:
         raise
     except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):

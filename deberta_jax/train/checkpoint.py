@@ -87,9 +87,10 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
             policies.BestN(get_metric_fn=_best_metric, reverse=True, n=1, keep_checkpoints_without_metrics=False),
         ]),
     )
-    root = storage.path(workdir)
-    return ocp.CheckpointManager((root if storage.is_remote(root) else root.absolute()) / CHECKPOINT_DIR,
-                                 options=options)
+    directory = storage.path(workdir) / CHECKPOINT_DIR
+    with storage.deadline(directory, "list the checkpoints in"):
+        return ocp.CheckpointManager(directory if storage.is_remote(directory) else directory.absolute(),
+                                     options=options)
 
 
 def clear_interrupted_saves(workdir: str | Path) -> list[str]:
@@ -163,8 +164,9 @@ def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict |
     step = int(state.step)
     storage.check_fence(manager.directory)  # orbax writes by itself, past the storage writers that ask the fence
     try:
-        manager.save(step, args=args, metrics=metrics)
-        manager.wait_until_finished()
+        with storage.deadline(manager.directory, f"save the checkpoint of step {step} to"):
+            manager.save(step, args=args, metrics=metrics)
+            manager.wait_until_finished()
     except (ValueError, OSError) as err:  # tensorstore reports a failed write as ValueError, with the errno in text
         if not any(code in str(err) for code in NO_ROOM):
             raise
@@ -187,9 +189,10 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainStat
     """Restores a full train state onto the shardings given in `abstract_state` (ShapeDtypeStructs),
     after checking the files against their digests; non-finite values raise DamagedCheckpointError."""
     verify_files(_step_dir(manager, step))
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_state.params),
-        opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
+    with storage.deadline(_step_dir(manager, step), "restore the checkpoint"):
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_state.params),
+            opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
     if not bool(_all_finite((restored.params, restored.opt_state))):
         raise DamagedCheckpointError(f"{_step_dir(manager, step)} holds NaN or inf values")
     step = jax.device_put(np.asarray(step, np.int32), abstract_state.step.sharding)
@@ -355,7 +358,8 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
         raise DamagedCheckpointError(f"checkpoint {chosen} is damaged: {err}. Load another step "
                                      f"(available: {others}), or resume training, which sets damaged ones aside."
                                      ) from None
-    restored = manager.restore(chosen, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+    with storage.deadline(_step_dir(manager, chosen), "restore the parameters of"):
+        restored = manager.restore(chosen, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     manager.close()
     if not bool(_all_finite(restored.params)):  # a diverged run's save: every score and export would be NaN
         leaves = jax.tree_util.tree_flatten_with_path(restored.params)[0]

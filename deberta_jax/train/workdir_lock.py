@@ -209,12 +209,13 @@ class _ObjectHolding(Holding):
         self.renewing = threading.Lock()  # the renewal thread's and a writer's
 
     def check(self) -> None:
-        while not self.lost and time.monotonic() - self.renewed > self.stale_after_s / 2:
-            try:
-                self.renew()
-            except storage.StorageError as err:  # the write would meet the same store: wait for it as the write would
-                logging.warning("could not renew the workdir lock %s before writing: %s", self.lock, err)
-                time.sleep(self.renew_every_s)
+        with storage.deadline(self.lock, "renew, before writing, the workdir lock"):
+            while not self.lost and time.monotonic() - self.renewed > self.stale_after_s / 2:
+                try:
+                    self.renew()
+                except storage.StorageError as err:  # the write would meet the same store: wait as it would
+                    logging.warning("could not renew the workdir lock %s before writing: %s", self.lock, err)
+                    time.sleep(self.renew_every_s)
         super().check()
 
     def renew(self) -> None:

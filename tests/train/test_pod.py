@@ -425,3 +425,41 @@ def test_a_run_whose_lock_was_taken_over_while_it_stalled_writes_nothing_more(bu
     lines = [line for line in text.splitlines() if line.startswith("train.py:")]
     assert code == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
     assert f"was taken over by another run (it now names PID {os.getpid()} " in lines[0], lines
+
+
+def test_a_store_that_stops_answering_ends_the_run_in_one_line_and_the_same_command_resumes(
+        bucket, gcs, cache, tmp_path):
+    """The store stops answering (SIGSTOP: connections are accepted, nothing comes back) while train.py saves a
+    checkpoint at every step. With a 3 s deadline on every call to the store, the run ends within seconds with one
+    line naming the call that did not finish, the store, and that the same command resumes, which it then does."""
+    workdir = f"{bucket}/run"
+    fields = overrides(cache, num_steps=12, log_every=1000, checkpoint_every=1)
+    fields["data.eval_files"] = ""
+    command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", workdir,
+               "--storage_deadline_s=3", *[f"--config.{k}={v}" for k, v in fields.items()]]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        trainer = subprocess.Popen(command, cwd=REPO, stdout=f, stderr=f, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not committed(workdir, 2):
+            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        gcs.pause()
+        paused = time.monotonic()
+        code = trainer.wait(timeout=60)
+        stopped_after = time.monotonic() - paused
+    finally:
+        gcs.resume()
+        trainer.kill()
+        trainer.wait()
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("train.py:")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert re.fullmatch(rf"train\.py: \w.* gs://\S+ did not finish within 3 s: {bucket} is not answering\. Stopped; "
+                        r".* rerun the same command to resume; --storage_deadline_s sets the limit", lines[0]), lines
+    assert stopped_after < 10, stopped_after
+    rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert resumed_step(rerun.stderr) >= 2 and max(committed_steps(workdir)) == 12
