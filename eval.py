@@ -15,9 +15,11 @@ Writes to --out: results.json.gz (every record, long format, with each workdir's
 `report.load_results` reads it), summary.md (also printed), and PNG plots (an earlier evaluation's plots there that
 this one does not redraw are removed). Progress goes to stderr: one bar on a terminal, a line per model, policy,
 dataset and length otherwise; the checkpoint libraries' INFO records are left out.
-Runs whose configs differ only in seed share a label; their mean and 95% interval are reported. A label is a model
-identity, so folders given twice, or sharing a label without being seeds of one model, are refused
-(`length_study.check_labels`).
+Runs whose configs differ only in seed share a label; their mean and 95% interval are reported. Every record says
+what it is (the run's folder, checkpoint step, config fingerprint, seed and length method), and only runs of one
+model, at one step, with seeds of their own are averaged: folders given twice, sharing a label without being seeds
+of one model (`length_study.check_labels`), at different steps, or a folder named like another model under a length
+method, are refused (`report.check_seed_groups`), as are policies, protocols or methods given twice.
 
 Several processes (--multiprocess, or JAX_COORDINATOR_ADDRESS set as for train.py) split the windows
 between them and add their sums, so the records are those of a single process; process 0 writes them.
@@ -151,6 +153,9 @@ def main(argv):
         usage_error("give at least one --workdir or --hf_checkpoint")
     if not FLAGS.data_files:
         usage_error("give at least one --data_files, e.g. --data_files corpus/valid.txt or synthetic:markov:test")
+    for flag in ("workdir", "hf_checkpoint", "out"):
+        for value in FLAGS[flag].value if flag != "out" else [FLAGS.out]:
+            errors.check_location(f"--{flag}", value)
     try:
         step = checkpoint.parse_step(FLAGS.checkpoint)
     except ValueError as err:

@@ -348,6 +348,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    errors.check_location("--workdir", FLAGS.workdir)
     library_logs.quiet()
     deadlines.set_limit(FLAGS.storage_deadline_s, "train.py", "--storage_deadline_s")
     sharding.initialize_distributed(FLAGS.multiprocess)

@@ -1,9 +1,11 @@
 """eval.py end to end: a run trained on synthetic data is scored with the unigram floor and the task's oracle; what
 it refuses about that run and its texts. Bad flags that need no trained run are rows of tests/test_command_lines.py."""
 
+import concurrent.futures
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 import train
 from configs import deberta
 from deberta_jax.study import report
+from deberta_jax.train import checkpoint
 from tests.helpers import files_after_kills
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +29,7 @@ def workdir(tmp_path_factory):
     config.data.train_files = "synthetic:markov:train:docs=20,doc_len=256"
     config.data.eval_files = "synthetic:markov:validation:docs=2,doc_len=256"
     config.data.cache_dir = str(root / "cache")
-    config.train.update(num_steps=4, warmup_steps=1, log_every=2, eval_every=4, checkpoint_every=4)
+    config.train.update(num_steps=4, warmup_steps=1, log_every=2, eval_every=4, checkpoint_every=2)
     train.train_and_evaluate(config, root / "run")
     return root / "run"
 
@@ -115,3 +118,67 @@ def test_curves_report_finds_where_runs_leave_the_plateau(workdir, tmp_path):
     assert f"| a | {shown} |" in markdown and (tmp_path / "eval_loss_vs_step.png").stat().st_size > 0
     assert curves.plateau_exit({10: 6.7, 20: 6.55, 30: 6.4}, floor=6.66, margin=0.1) == 20
     assert curves.plateau_exit({10: 6.7}, floor=6.66, margin=0.1) is None
+
+
+@pytest.fixture(scope="module")
+def lookalikes(workdir, tmp_path_factory):
+    """Copies of the run that must not be averaged with it as seeds, and the run exported for transformers."""
+    from deberta_jax.export import writer
+
+    root = tmp_path_factory.mktemp("lookalikes")
+
+    def copy(name, seed=0, steps=(2, 4), evaluated=True):
+        folder = root / name
+        shutil.copytree(workdir, folder)
+        config = json.loads((folder / checkpoint.CONFIG_FILE).read_text())
+        (folder / checkpoint.CONFIG_FILE).write_text(json.dumps(dict(config, seed=seed)))
+        for step_dir in (folder / checkpoint.CHECKPOINT_DIR).iterdir():
+            if int(step_dir.name) not in steps:
+                shutil.rmtree(step_dir)
+            elif not evaluated:
+                shutil.rmtree(step_dir / "metrics", ignore_errors=True)  # only evaluation steps have one
+        return str(folder)
+
+    hub = root / "hub"
+    writer.export_workdir(workdir, hub)
+    return dict(window=copy("run+window"), again=copy("run-s0"), earlier=copy("run-s1", seed=1, steps=(2,)),
+                unevaluated=copy("unevaluated", evaluated=False), hub=str(hub))
+
+
+def test_runs_that_are_not_seeds_of_one_model_are_refused_in_one_line(workdir, lookalikes, tmp_path):
+    """Each row is refused before anything is scored, naming both runs and the fix."""
+    run, data = str(workdir), ["--data_files", "synthetic:markov:test:docs=3,doc_len=300", "--out", str(tmp_path)]
+    rows = [
+        # A folder named like the run under a length method: two models under one label.
+        (["--workdir", run, "--workdir", lookalikes["window"], "--methods", "window"],
+         f"{lookalikes['window']} and {run} under the length method 'window' would both be reported as 'run+window', "
+         "averaged as two seeds of one model, but they are scored under different length methods"),
+        # Seeds of one config at different checkpoint steps (the second's training stopped at step 2).
+        (["--workdir", run, "--workdir", lookalikes["earlier"]],
+         f"{run} and {lookalikes['earlier']} would both be reported as 'run', averaged as two seeds of one model, but "
+         "they are at different checkpoint steps (4 vs 2); score both at one step (eval.py --checkpoint N)"),
+        # A copy of the run is not another seed.
+        (["--workdir", run, "--workdir", lookalikes["again"]], "but both have seed 0: one run given twice, or a "
+         "repeated run, is not another seed; give only one of them"),
+        (["--workdir", lookalikes["unevaluated"], "--checkpoint", "best"],
+         "has an eval loss (was config.data.eval_files empty?), so none is the best; take the latest (--checkpoint "
+         "latest; step=None from Python)"),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda row: eval_py(*row[0], *data), rows))
+    for (args, message), result in zip(rows, results):
+        lines = [line for line in result.stderr.splitlines() if line.startswith("eval.py:")]
+        assert result.returncode == 1 and len(lines) == 1 and message in lines[0], (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and "scoring 1/" not in result.stderr
+    assert not (tmp_path / report.RESULTS_FILE).exists()
+
+
+def test_a_transformers_checkpoint_is_scored(lookalikes, tmp_path):
+    """The README's command for a transformers checkpoint (it once failed on the seed such a folder does not have)."""
+    result = eval_py("--hf_checkpoint", lookalikes["hub"], "--data_files", "synthetic:markov:test:docs=3,doc_len=300",
+                     "--multiples", "1", "--extra", "", "--protocols", "chunked", "--bootstrap", "20", "--nooracle",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = [r for r in report.read_results_file(tmp_path)["records"] if r["seed"] != "mean"]
+    assert {(r["model"], r["seed"], r["source"], r["method"]) for r in runs} == {
+        ("hub", "published", lookalikes["hub"], "none")}

@@ -8,12 +8,28 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
 
+from deberta_jax import storage
+
 TRACEBACK_VARIABLE = "DEBERTA_JAX_TRACEBACK"
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def check_location(flag: str, value: str) -> None:
+    """Refuses a folder or file flag whose value would quietly name somewhere else: empty (the current folder) or a
+    bucket URL missing a slash (`gs:/bucket/run`, which a local path takes for a folder named `gs:`). Raises
+    ValueError naming the flag and the fix."""
+    if not value.strip():
+        raise ValueError(f"{flag} is empty: give a folder, local or gs://bucket/... (an empty path would mean the "
+                         "current folder)")
+    scheme = re.match(r"([a-z0-9]+):/?(?!/)", value)
+    if scheme and scheme[1] in storage.SCHEMES:
+        raise ValueError(f"{flag}={value!r} is neither a bucket URL nor a local path: write "
+                         f"{scheme[1]}://{value[len(scheme[0]):]} (two slashes)")
 
 
 def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseException], ...] = ()) -> Callable:

@@ -33,6 +33,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    errors.check_location("--workdir", FLAGS.workdir)
+    errors.check_location("--out", FLAGS.out)
     step = checkpoint.parse_step(FLAGS.checkpoint)
     with warnings.catch_warnings():  # the returned notes are logged below, without a source line
         warnings.simplefilter("ignore", hf.ExportWarning)

@@ -156,10 +156,15 @@ def main(argv):
     for item in FLAGS.workdir:
         label, sep, path = item.partition("=")
         if not sep or not label or not path:
-            raise app.UsageError(f"--workdir={item!r}: use LABEL=WORKDIR, e.g. --workdir bert=runs/bert")
+            raise ValueError(f"--workdir={item!r}: use LABEL=WORKDIR, e.g. --workdir bert=runs/bert")
+        if label in workdirs:  # one curve per label: the first would be dropped without a word
+            raise ValueError(f"--workdir {label}={workdirs[label]} and --workdir {item} share the label "
+                                 f"{label!r}; give each run a label of its own")
+        errors.check_location("--workdir", path)
         workdirs[label] = path
     if not workdirs or not FLAGS.out:
-        raise app.UsageError("give at least one --workdir LABEL=WORKDIR and --out")
+        raise ValueError("give at least one --workdir LABEL=WORKDIR and --out")
+    errors.check_location("--out", FLAGS.out)
     print(write_curves_report(workdirs, FLAGS.out, FLAGS.margin))
 
 

@@ -10,6 +10,8 @@ the reason instead of values, so no NaN ever reaches a table.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import re
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 from absl import logging
+from ml_collections import config_dict
 from tqdm import tqdm
 
 from deberta_jax import storage
@@ -55,9 +58,10 @@ DEFAULT_EXTRA = (16, 64)
 
 @dataclasses.dataclass
 class EvalModel:
-    """A model under evaluation and what is needed to label its results."""
+    """A model under evaluation: what it is (`identity`, which every one of its records carries) and how to score
+    it."""
 
-    label: str  # runs differing only in seed share a label
+    label: str  # the name its results are shown under; runs differing only in seed share a label
     seed: int | str
     source: str  # workdir or checkpoint path
     model: object  # MaskedLM, or a reference model (UnigramModel, OracleModel)
@@ -65,6 +69,15 @@ class EvalModel:
     train_len: int
     dataset: str | None = None  # score only this dataset (an oracle knows one task); None: every dataset
     step: int | None = None  # the checkpoint step of a workdir's model; None for others
+    checkpoint: str | None = None  # how a workdir's step was chosen: "latest", "best" or the step asked for
+    config: str | None = None  # what a run trained (`config_fingerprint`); None for others
+    method: str = "none"  # the length method it is scored under (`LENGTH_METHODS`); "none": as trained
+
+    def identity(self) -> dict:
+        """The fields of `report.IDENTITY_FIELDS`, with the label: the report averages as seeds only models that
+        share a label and agree on these but for seed and source (`report.check_seed_groups`)."""
+        return dict(model=self.label, seed=self.seed, source=self.source, step=self.step, checkpoint=self.checkpoint,
+                    config=self.config, method=self.method)
 
 
 # The seed suffix of a workdir name (`<variant>-L<len>-s<seed>`, as the sweep runner names them).
@@ -91,30 +104,67 @@ RUN_ONLY_FIELDS = frozenset({
     *(f"model.{name}" for name in COMPUTATION_FIELDS)})
 
 
+def _trained(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """What a run's config says it trained: every field but `RUN_ONLY_FIELDS`, with the model fields added since it
+    was written at their defaults (which is what it trained with)."""
+    tree = config.to_dict()
+    tree["model"] = ModelConfig.from_dict(tree["model"]).to_dict()
+    for field in RUN_ONLY_FIELDS:
+        *sections, name = field.split(".")
+        node = tree
+        for section in sections:
+            node = node.get(section, {})
+        node.pop(name, None)
+    return config_dict.ConfigDict(tree)
+
+
+def config_fingerprint(workdir: str) -> str:
+    """A short hash of what a workdir's run trained (`_trained`, the training text by `packing.source_fingerprint`
+    where it can be read, and the tokenizer): the same for every seed of one model, and another for any other."""
+    trained = _trained(checkpoint.read_config(workdir)).to_dict()
+    try:
+        trained["data"]["train_files"] = packing.source_fingerprint(trained["data"]["train_files"])
+    except OSError:  # the training text is gone; its spec still names it
+        pass
+    digest = hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode())
+    digest.update(storage.read_bytes(storage.path(workdir) / checkpoint.TOKENIZER_FILE))
+    return digest.hexdigest()[:16]
+
+
+def run_identity(workdir: str, step: int, chosen: int | str | None = None) -> dict:
+    """The identity fields a workdir's model has at checkpoint `step`, chosen as `chosen` asked (None: the latest):
+    its folder, step, seed and `config_fingerprint` (`EvalModel.identity`)."""
+    return dict(source=workdir, step=step, checkpoint=str(chosen or "latest"),
+                seed=checkpoint.read_config(workdir).seed, config=config_fingerprint(workdir))
+
+
 def _folder_key(folder: str) -> str:
     """One spelling per folder (`runs/a`, `./runs/a/` and a link to it agree; a bucket's URL without its last /)."""
     path = storage.path(folder)
     return os.fspath(path).rstrip("/") if storage.is_remote(path) else str(path.resolve())
 
 
-def _identity_differences(first: str, other: str) -> list[str]:
-    """`config.<field> a vs b` for every difference between two workdirs' runs beyond `RUN_ONLY_FIELDS`
-    (training text compared by the files it names, however spelled), and their tokenizers'."""
-    differ = config_checks.differences(checkpoint.read_config(first), checkpoint.read_config(other))
-    out = [f"config.{key} {a!r} vs {b!r}" for key, (a, b) in differ.items() if key not in RUN_ONLY_FIELDS
-           and not (key == "data.train_files" and packing.same_source(a, b))]
+def _identity_differences(first: str, other: str, configs: dict) -> list[str]:
+    """`config.<field> a vs b` for every difference between two workdirs' runs (`configs`: each one's config)
+    beyond `RUN_ONLY_FIELDS` (training text compared by the files it names, however spelled), and their
+    tokenizers'."""
+    differ = config_checks.differences(*(_trained(configs[w]) for w in (first, other)))
+    out = [f"config.{key} {a!r} vs {b!r}" for key, (a, b) in differ.items()
+           if not (key == "data.train_files" and packing.same_source(a, b))]
     tokenizers = [storage.read_text(storage.path(w) / checkpoint.TOKENIZER_FILE) for w in (first, other)]
     return out + ([f"their {checkpoint.TOKENIZER_FILE}"] if tokenizers[0] != tokenizers[1] else [])
 
 
 def check_labels(workdirs: Sequence[str], checkpoints: Sequence[str] = ()) -> None:
-    """Refuses models that the report would average or show under one label without their being seeds of one model.
+    """Refuses, before any model is loaded, folders that the report would average or show under one label without
+    their being seeds of one model, naming what differs (the report's own check, `report.check_seed_groups`, sees
+    only fingerprints, and the models' seeds and steps once loaded).
 
-    A label is a model identity: the report's mean and interval are over the runs that share it, taken as seeds.
-    So a folder is given once (twice, it would be two identical "seeds" with a zero-width interval); workdirs that
-    share a label (`run_label`) must have configs that differ only in `seed` and in `RUN_ONLY_FIELDS` and the same
-    tokenizer, and different seeds; a transformers checkpoint, which has no seed, and the references (unigram,
-    oracle) share their label with nothing. Raises ValueError naming both folders and what differs.
+    The report's mean and interval are over the runs that share a label, taken as seeds. So a folder is given once
+    (twice, it would be two identical "seeds" with a zero-width interval); workdirs that share a label (`run_label`)
+    must have configs that differ only in `RUN_ONLY_FIELDS` and the same tokenizer; a transformers checkpoint, which
+    has no seed, and the references (unigram, oracle) share their label with nothing. Raises ValueError naming both
+    folders and what differs.
     """
     given = [("--workdir", w) for w in workdirs] + [("--hf_checkpoint", c) for c in checkpoints]
     folders, labels = {}, {}
@@ -129,24 +179,17 @@ def check_labels(workdirs: Sequence[str], checkpoints: Sequence[str] = ()) -> No
             raise ValueError(f"{flag} {folder} would be reported as {label!r}, the name of a reference model; "
                              "rename the folder")
         labels.setdefault(label, []).append((flag, folder))
+    configs = {w: checkpoint.read_config(w) for w in workdirs}  # a damaged one is named before any checkpoint
     for label, members in labels.items():
         (first_flag, first), *others = members
         for flag, other in others:
             both = f"{first_flag} {first} and {flag} {other} would both be reported as {label!r}, as seeds of one model"
             if "--hf_checkpoint" in (first_flag, flag):
                 raise ValueError(f"{both}, but a transformers checkpoint has no seed; give one folder another name")
-            differ = _identity_differences(first, other)
+            differ = _identity_differences(first, other, configs)
             if differ:
                 raise ValueError(f"{both}, but they differ in {'; '.join(differ)}: only runs that differ in seed "
                                  "share a label, so give one folder another name")
-        seeds = {}
-        for _, folder in members:
-            seed = checkpoint.read_config(folder).seed
-            if seed in seeds:
-                raise ValueError(f"--workdir {seeds[seed]} and {folder} would both be reported as {label!r} and "
-                                 f"were both trained with seed {seed}: a repeated run is not another seed; give only "
-                                 "one of them")
-            seeds[seed] = folder
 
 
 def load_workdir_model(workdir: str, step: int | str | None = None, **overrides) -> EvalModel:
@@ -155,11 +198,12 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
     checkpoint they scored."""
     manager = checkpoint.checkpoint_manager(workdir, read_only=True)
     try:
-        step = checkpoint.select_step(manager, step, workdir)
+        chosen = checkpoint.select_step(manager, step, workdir)
     finally:
         manager.close()
-    config, model, tokenizer = checkpoint.load_workdir(workdir, step, **overrides)
-    return EvalModel(run_label(workdir), config.seed, workdir, model, tokenizer, int(config.data.seq_len), step=step)
+    config, model, tokenizer = checkpoint.load_workdir(workdir, chosen, **overrides)
+    return EvalModel(run_label(workdir), model=model, tokenizer=tokenizer, train_len=int(config.data.seq_len),
+                     **run_identity(workdir, chosen, step))
 
 
 def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
@@ -179,11 +223,12 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
                              f"{', '.join(SPECIAL_TOKENS)} (BERT's and DeBERTa's spellings); checkpoints with other "
                              "special tokens (e.g. RoBERTa's <mask>) are not supported")
         model = hf.load(local, **{"clamp_relative_positions": True, **overrides})
+        config = hashlib.sha256(storage.read_bytes(storage.path(local) / "config.json")).hexdigest()[:16]
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer in {path} has {tokenizer.get_vocab_size()} tokens but the model has only "
                          f"vocab_size={model.cfg.vocab_size} embedding rows: they do not belong together")
     return EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model, tokenizer,
-                     model.cfg.max_position_embeddings)
+                     model.cfg.max_position_embeddings, config=config)
 
 
 def _replaced_training_options(cfg: ModelConfig, options: dict) -> dict:
@@ -193,9 +238,11 @@ def _replaced_training_options(cfg: ModelConfig, options: dict) -> dict:
             if getattr(cfg, name) not in (value, ModelConfig.__dataclass_fields__[name].default)}
 
 
-def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[EvalModel]:
+def with_methods(models: Sequence[EvalModel], methods: Sequence[str], skipped: list[dict] | None = None
+                 ) -> list[EvalModel]:
     """`models` followed by each trained model under each of `methods` (`LENGTH_METHODS`) that applies to it,
-    labelled `<label>+<method>`; the parameters are shared, not copied.
+    labelled `<label>+<method>`; the parameters are shared, not copied. A method that does not apply to a model is
+    appended to `skipped` (the report's "Not evaluated"), with the reason.
 
     A method adds to what the model was trained with and never replaces it: a model trained with a window of 4 run
     with the method's window of L would be another model even at 1x, so that is refused (ValueError)."""
@@ -206,8 +253,12 @@ def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[Ev
         for name in methods:
             options = LENGTH_METHODS[name](em.model.cfg)
             if options is None:
-                logging.info("%s: length method %r does not apply (attention=%r, attention_temperature=%r)",
-                             em.label, name, em.model.cfg.attention, em.model.cfg.attention_temperature)
+                cfg = em.model.cfg
+                reason = (f"the length method {name!r} does not apply to a model with attention={cfg.attention!r} "
+                          f"and attention_temperature={cfg.attention_temperature!r}")
+                logging.info("%s: %s", em.label, reason)
+                if skipped is not None:
+                    skipped.append(dict(em.identity(), model=f"{em.label}+{name}", method=name, reason=reason))
                 continue
             replaced = _replaced_training_options(em.model.cfg, options)
             if replaced:
@@ -216,7 +267,8 @@ def with_methods(models: Sequence[EvalModel], methods: Sequence[str]) -> list[Ev
                     + ", ".join(f"{field}={trained!r}, which the length method {name!r} would replace with {new!r}"
                                 for field, (trained, new) in replaced.items())
                     + f", changing the model even at its training length; leave {name} out of the methods for it")
-            out.append(dataclasses.replace(em, label=f"{em.label}+{name}", model=with_options(em.model, **options)))
+            out.append(dataclasses.replace(em, label=f"{em.label}+{name}", model=with_options(em.model, **options),
+                                           method=name))
     return out
 
 
@@ -270,6 +322,27 @@ class StudySettings:
     methods: tuple[str, ...] = ()  # of LENGTH_METHODS, each scored besides the model as trained
 
     def __post_init__(self):
+        # A policy, protocol or method given twice would score the same model twice, and the report would average it
+        # with itself as two seeds (a zero-width interval).
+        for name in ("policies", "protocols", "methods"):
+            values = getattr(self, name)
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"{name}: {', '.join(map(repr, repeated))} given twice; give each once (as given, "
+                                 "one model would be scored twice and averaged with itself as two seeds)")
+        choices = dict(policies=ABSOLUTE_POSITION_POLICIES, protocols=tuple(protocols.PROTOCOLS))
+        for name, allowed in choices.items():
+            if not getattr(self, name):
+                raise ValueError(f"{name}: none given, so nothing would be scored; give one or more of {allowed}")
+        if not self.multiples and not self.lengths:
+            raise ValueError("multiples: none given, so there is no length to score; give multiples of the training "
+                             f"length (default {','.join(map(str, DEFAULT_MULTIPLES))}) or explicit lengths")
+        if self.max_eval_tokens < 0:
+            raise ValueError(f"max_eval_tokens={self.max_eval_tokens}: give a number of tokens to keep from the start "
+                             "of each eval text, or 0 for all of it")
+        if self.bootstrap < 2:
+            raise ValueError(f"bootstrap={self.bootstrap}: the 95% intervals are percentiles over resamples of the "
+                             "documents, so give 2 or more (default 1000)")
         for p in self.policies:
             if p not in ABSOLUTE_POSITION_POLICIES:
                 raise ValueError(f"policies: unknown policy {p!r}; choose from {ABSOLUTE_POSITION_POLICIES}")
@@ -328,8 +401,7 @@ def refusal(model, policy: str, eval_len: int) -> str | None:
 
 def _records(em: EvalModel, sums: scoring.Sums, resamples: np.ndarray, **key) -> list[dict]:
     """Overall loss/accuracy/perplexity with bootstrap intervals, plus loss/accuracy per position bucket."""
-    base = dict(model=em.label, seed=em.seed, source=em.source, step=em.step, train_len=em.train_len,
-                multiple=key["eval_len"] / em.train_len, **key)
+    base = dict(em.identity(), train_len=em.train_len, multiple=key["eval_len"] / em.train_len, **key)
     out = []
     for metric, num, transform in (("loss", sums.loss_doc, None), ("accuracy", sums.correct_doc, None),
                                    ("perplexity", sums.loss_doc, np.exp)):
@@ -447,9 +519,11 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     to calls that score models one at a time so each stream is built once. What makes a result doubtful (a text
     the tokenizer cannot read) is logged and appended to `warnings`, for the report's summary.
     """
-    models = with_methods(models, settings.methods)
-    check_dense_memory(models, settings, device_memory_bytes())
     records, skipped = [], []
+    models = with_methods(models, settings.methods, skipped)
+    # Before anything is scored: models the report would average as seeds of one model without their being so.
+    report.check_seed_groups([dict(em.identity(), dataset=em.dataset) for em in models])
+    check_dense_memory(models, settings, device_memory_bytes())
     corpora = {} if corpora is None else corpora
     note = unpaired_note((f"{em.label} (seed {em.seed})", em.tokenizer.to_str()) for em in models)
     if note:
@@ -499,7 +573,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                         reason = refusal(em.model, policy, eval_len)
                         common = dict(policy=policy, dataset=dataset, eval_len=eval_len)
                         if reason:
-                            skipped.append(dict(model=em.label, seed=em.seed, **common, reason=reason))
+                            skipped.append(dict(em.identity(), **common, reason=reason))
                             continue
                         batch = max(1, settings.tokens_per_batch // eval_len)
                         desc = f"{em.label}{'' if policy == 'none' else f' ({policy})'} on {dataset} at N={eval_len}"
@@ -514,7 +588,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                                                 offset=offset, **common)
                                             if protocol.per_position or r["bucket"] == "all"]
                             if not scored:  # e.g. a fixed-target span longer than the window
-                                skipped.append(dict(model=em.label, seed=em.seed, **common, reason=(
+                                skipped.append(dict(em.identity(), **common, reason=(
                                     f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
     finally:
         progress.close()

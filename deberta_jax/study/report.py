@@ -1,11 +1,13 @@
 """Evaluation results as pandas DataFrames: the results files, seed means, Markdown tables and plots.
 
 Results are in long format, one row per model, seed, policy, protocol, dataset, train length, eval
-length, offset, position bucket and metric, so every table or plot is a filter and a pivot. Runs that
-differ only in seed share a `model` label; `aggregate_seeds` gives rows with `seed="mean"` holding the
+length, offset, position bucket and metric, so every table or plot is a filter and a pivot. Every row also says
+what scored it (`IDENTITY_FIELDS`: the run's folder, checkpoint step, config fingerprint and the length method).
+Runs that differ only in seed share a `model` label; `aggregate_seeds` gives rows with `seed="mean"` holding the
 mean over seeds and a 95% Student-t interval (or, for a single seed, that run's bootstrap interval over
-documents). Results are stored once, in `results.json.gz` (gzip'd JSON: every record, the combinations not
-evaluated and the report's warnings); `load_results` reads it back for one's own analysis, and
+documents), and refuses rows under one label that are not seeds of one model (`check_seed_groups`). Results are
+stored once, in `results.json.gz` (gzip'd JSON: every record, the combinations not evaluated and the report's
+warnings); `load_results` reads it back for one's own analysis, and
 `python -m deberta_jax.study.report DIR` rebuilds DIR's summary.md and plots from it.
 
 In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset` (chunked rows) or
@@ -30,13 +32,19 @@ from deberta_jax import storage
 from deberta_jax.study import protocols
 
 KEY_FIELDS = ("model", "policy", "protocol", "dataset", "train_len", "eval_len", "offset", "bucket", "metric")
-FIELDS = ("model", "seed", "source", "step", "policy", "protocol", "dataset", "train_len", "eval_len", "multiple",
-          "offset", "bucket", "metric", "value", "ci_low", "ci_high", "n_tokens", "n_seeds")
+FIELDS = ("model", "seed", "source", "step", "checkpoint", "config", "method", "policy", "protocol", "dataset",
+          "train_len", "eval_len", "multiple", "offset", "bucket", "metric", "value", "ci_low", "ci_high", "n_tokens",
+          "n_seeds")
 # `seed` holds run seeds and labels ("mean", "-" for references); `step` the checkpoint step a workdir's model was
-# loaded from (missing for references, transformers checkpoints and mean rows); `bucket` is a position or "all".
-_DTYPES = {"seed": object, "step": "Int64", "train_len": "int64", "eval_len": "int64", "multiple": "float64",
-           "offset": "Int64", "bucket": object, "value": "float64", "ci_low": "float64", "ci_high": "float64",
-           "n_tokens": "int64", "n_seeds": "Int64"}
+# loaded from (missing for references, transformers checkpoints and mean rows), `checkpoint` how it was chosen
+# ("latest", "best" or the step asked for), `config` a fingerprint of what the run trained
+# (`length_study.config_fingerprint`), `method` the length method scored ("none": as trained); results written
+# before these three were recorded lack them. `bucket` is a position or "all".
+_DTYPES = {"seed": object, "step": "Int64", "checkpoint": object, "config": object, "method": object,
+           "train_len": "int64", "eval_len": "int64", "multiple": "float64", "offset": "Int64", "bucket": object,
+           "value": "float64", "ci_low": "float64", "ci_high": "float64", "n_tokens": "int64", "n_seeds": "Int64"}
+# What a record is (`length_study.EvalModel.identity`), besides its `model` label.
+IDENTITY_FIELDS = ("seed", "source", "step", "checkpoint", "config", "method")
 CONFIDENCE = 0.95
 REFERENCES = ("unigram", "oracle")
 RESULTS_FILE = "results.json.gz"
@@ -62,6 +70,8 @@ def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
         except (TypeError, ValueError) as err:
             raise ValueError(f"results column {column!r} cannot be read as {dtype} ({err}); every record needs "
                              f"a {column} as run_study writes it") from None
+    for column in ("checkpoint", "config", "method"):  # missing in older results: None, as the results file has it
+        frame[column] = frame[column].where(frame[column].notna(), None)
     return frame
 
 
@@ -118,10 +128,72 @@ def t_half_width(std: np.ndarray, n: np.ndarray, confidence: float = CONFIDENCE)
     return stats.t.ppf(0.5 + confidence / 2, n - 1) * np.asarray(std) / np.sqrt(n)
 
 
+def _run_name(run) -> str:
+    """A run as messages name it: its folder, and the length method it was scored under."""
+    method = run["method"]
+    return f"{run['source']}" + (f" under the length method {method!r}" if _known(method) and method != "none" else "")
+
+
+def _known(value) -> bool:
+    return value is not None and not pd.isna(value)
+
+
+def _not_seeds(a, b) -> str | None:
+    """Why runs `a` and `b` (identity rows) are not two seeds of one model, with the fix; None when they are. A field
+    a run lacks (results written before it was recorded) is taken to agree."""
+    def differ(field):
+        return _known(a[field]) and _known(b[field]) and a[field] != b[field]
+    if differ("method"):
+        return ("they are scored under different length methods (a model under one is labelled with its name and the "
+                "method's); give the folder another name")
+    if differ("config"):
+        return (f"they were trained differently (config fingerprints {a['config']} vs {b['config']}): only runs that "
+                "differ in seed share a label, so give one folder another name")
+    if differ("checkpoint"):
+        return (f"their checkpoints were chosen differently ({a['checkpoint']} vs {b['checkpoint']}); score them the "
+                "same way")
+    if differ("step") and a["checkpoint"] != "best":
+        return (f"they are at different checkpoint steps ({a['step']} vs {b['step']}); score both at one step "
+                "(eval.py --checkpoint N), or train the shorter run to its end")
+    if a["seed"] == b["seed"]:
+        return (f"both have seed {a['seed']}: one run given twice, or a repeated run, is not another seed; give only "
+                "one of them")
+    return None
+
+
+def check_seed_groups(rows: Iterable[dict] | pd.DataFrame) -> None:
+    """Refuses rows that `aggregate_seeds` would average as seeds of one model without their being so: under one
+    label, on one dataset, every run must be the same model (config fingerprint, length method, checkpoint step,
+    except where each run's best was chosen) with a seed of its own. `rows` need `model`, `dataset` and
+    `IDENTITY_FIELDS` (records, or `EvalModel.identity` rows before scoring). Raises ValueError naming both runs
+    and the fix."""
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows), dtype=object)
+    columns = ["model", "dataset", *IDENTITY_FIELDS]
+    runs = frame.reindex(columns=columns).astype(object).drop_duplicates()
+    for (label, dataset), group in runs.groupby(["model", "dataset"], sort=False, dropna=False):
+        members = group.to_dict("records")
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                reason = _not_seeds(a, b)
+                if reason:
+                    where = f" on {dataset}" if _known(dataset) else ""
+                    raise ValueError(f"{_run_name(a)} and {_run_name(b)} would both be reported as {label!r}{where}, "
+                                     f"averaged as two seeds of one model, but {reason}")
+
+
 def aggregate_seeds(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds (and a Student-t interval at `CONFIDENCE`) for every key of `KEY_FIELDS`; one row per
-    key, in the order the keys first appear. Other fields are the first run's; `source` lists every run's."""
+    key, in the order the keys first appear. Other fields are the first run's; `source` lists every run's.
+    Rows that are not seeds of one model (`check_seed_groups`), or one run's record twice, are refused."""
     frame = records_frame(records)
+    check_seed_groups(frame)
+    twice = frame[frame.duplicated([*KEY_FIELDS, "seed", "source"], keep=False)]
+    if len(twice):
+        r = twice.iloc[0]
+        raise ValueError(f"{r['model']} (seed {r['seed']}, {r['source']}) has {len(twice)} records for one "
+                         f"{r['metric']} ({r['protocol']}, policy {r['policy']}, length {r['eval_len']}, "
+                         f"{r['dataset']}): one run scored twice would be averaged with itself as two seeds; score "
+                         "each once")
     groups = frame.groupby(list(KEY_FIELDS), sort=False, dropna=False)
     n = groups["value"].transform("size").to_numpy()
     mean = groups["value"].transform("mean").to_numpy()
@@ -225,24 +297,33 @@ FLOOR_MARGIN = 0.05
 
 
 def floor_warnings(means: pd.DataFrame) -> list[str]:
-    """A warning per dataset naming the models whose chunked loss at their training length is not clearly below
-    the unigram floor (`FLOOR_MARGIN`): such a model predicts little better than token frequencies, so its length
-    curve is flat for want of anything to lose and says nothing about positions. The floor is context-free, so its
-    loss at its own training length stands for every length."""
-    rows = means[(means["protocol"] == "chunked") & (means["bucket"] == "all") & (means["metric"] == "loss")
-                 & (means["eval_len"] == means["train_len"])]
-    floors = rows[rows["model"] == "unigram"].groupby("dataset")["value"].first()
+    """A warning per dataset naming the models whose chunked loss at their shortest length scored (their training
+    length, unless it was not scored) is not clearly below the unigram floor (`FLOOR_MARGIN`; under the best of a
+    model's policies): such a model predicts little better than token frequencies, so its length curve is flat for
+    want of anything to lose and says nothing about positions. The floor is context-free, so its loss at any one
+    length stands for every length."""
+    rows = means[(means["protocol"] == "chunked") & (means["bucket"] == "all") & (means["metric"] == "loss")]
+    rows = rows.assign(upper=rows["ci_high"].fillna(rows["value"]), length=_length_labels(rows),
+                       ratio=rows["eval_len"] / rows["train_len"])
+    floors = rows[rows["model"] == "unigram"].sort_values("ratio", kind="stable").groupby("dataset")["value"].first()
     warnings = []
     for dataset, floor in floors.items():
-        models = rows[(rows["dataset"] == dataset) & ~rows["model"].isin(REFERENCES)].drop_duplicates("model")
-        upper = models["ci_high"].fillna(models["value"])
-        flat = models[upper > floor - FLOOR_MARGIN]
-        if len(flat):
-            warnings.append(
-                f"{dataset}: {', '.join(f'{m} ({v:.3f})' for m, v in zip(flat['model'], flat['value']))} "
-                f"{'is' if len(flat) == 1 else 'are'} not clearly below the unigram floor ({floor:.3f}) at the "
-                f"training length (by {FLOOR_MARGIN} nats at the interval's upper end): such a model predicts little "
-                "better than token frequencies, so its length curve says nothing about positions; train it longer")
+        models = rows[(rows["dataset"] == dataset) & ~rows["model"].isin(REFERENCES)]
+        shortest = models[models["ratio"] == models.groupby("model")["ratio"].transform("min")]
+        best = shortest.sort_values("upper", kind="stable").drop_duplicates("model").sort_index()
+        flat = best[best["upper"] > floor - FLOOR_MARGIN]
+        if not len(flat):
+            continue
+        past = flat[flat["ratio"] != 1]
+        named = [f"{m} ({v:.3f} at {n})" for m, v, n in zip(flat["model"], flat["value"], flat["length"])]
+        warnings.append(
+            f"{dataset}: {', '.join(named)} "
+            f"{'is' if len(flat) == 1 else 'are'} not clearly below the unigram floor ({floor:.3f}) (by {FLOOR_MARGIN} "
+            "nats at the interval's upper end): such a model predicts little better than token frequencies, so its "
+            "length curve says nothing about positions; train it longer"
+            + (f". {', '.join(past['model'])} {'was' if len(past) == 1 else 'were'} not scored at the training length, "
+               "where a rise past it cannot be told from a model that never learned: add 1 to the multiples"
+               if len(past) else ""))
     return warnings
 
 
@@ -322,8 +403,11 @@ def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dic
                 lines += _by_length(rows, f"{dataset}: {protocol}")
     if skipped:
         lines += ["## Not evaluated", ""]
-        reasons = pd.DataFrame(list(skipped)).drop_duplicates(["model", "policy", "eval_len", "reason"])
-        lines += [f"- {s.model} / {s.policy} at length {s.eval_len}: {s.reason}" for s in reasons.itertuples()]
+        reasons = (pd.DataFrame(list(skipped)).reindex(columns=["model", "policy", "eval_len", "reason"])
+                   .drop_duplicates())
+        # A length method that does not apply to a model is not scored at any length.
+        lines += [f"- {s.model}: {s.reason}" if pd.isna(s.eval_len) else
+                  f"- {s.model} / {s.policy} at length {s.eval_len}: {s.reason}" for s in reasons.itertuples()]
         lines.append("")
     return "\n".join(lines)
 

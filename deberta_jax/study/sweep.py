@@ -161,11 +161,17 @@ def evaluation_inputs(sweep: config_dict.ConfigDict) -> tuple[length_study.Study
 
 def score_run(run: dict, settings, datasets: dict, base: dict, corpora: dict) -> tuple[list, list]:
     """One finished run's length evaluation, cached in its workdir, under the workdir's lock: a second process
-    scoring the same run (or training into it) is refused, naming the holder, instead of repeating the work."""
+    scoring the same run (or training into it) is refused, naming the holder, instead of repeating the work.
+
+    The records name the run as it is now (`length_study.run_identity`): the cache holds for the same checkpoint,
+    config and tokenizer wherever the workdir lives, and records cached before they carried their identity get it."""
     identity = checkpoint.content_fingerprint(run["workdir"], run["num_steps"])
     with workdir_lock.hold(run["workdir"], what="deberta_jax.study.sweep scoring"):
-        return cached_study(os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
-                            lambda: length_study.load_workdir_model(run["workdir"]), datasets, settings, corpora)
+        records, skipped = cached_study(
+            os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
+            lambda: length_study.load_workdir_model(run["workdir"]), datasets, settings, corpora)
+    now = length_study.run_identity(run["workdir"], run["num_steps"])
+    return [dict(r, **now) for r in records], [dict(s, **now) for s in skipped]
 
 
 def score_named(sweep: config_dict.ConfigDict, runs: list[dict], names: list[str]) -> None:

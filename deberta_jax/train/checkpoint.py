@@ -312,8 +312,9 @@ def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir)
     if step == "best":
         best = manager.best_step()
         if best is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir} has an eval loss (was config.data.eval_files empty?); "
-                                    "load the latest with step=None")
+            raise FileNotFoundError(f"no checkpoint in {workdir} has an eval loss (was config.data.eval_files empty?), "
+                                    "so none is the best; take the latest (--checkpoint latest; step=None from "
+                                    "Python)")
         return best
     if step not in available:
         raise FileNotFoundError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")

@@ -235,13 +235,38 @@ def test_a_label_is_one_model_whose_runs_differ_only_in_seed(tmp_path):
     other_tokenizer = _workdir(tmp_path / "t", "deb-s4", tokenizer='{"other": 1}', seed=4)
     with pytest.raises(ValueError, match="differ in their tokenizer.json"):
         length_study.check_labels([seeds[0], other_tokenizer])
+    # What the records carry: one config fingerprint for the seeds, another wherever check_labels names a difference.
+    fingerprint = {w: length_study.run_identity(w, 100)["config"] for w in (*seeds, steps, bert, other_tokenizer)}
+    assert fingerprint[seeds[0]] == fingerprint[seeds[1]] and len(set(fingerprint.values())) == 4
+    # A repeated run has the same config: its seed is compared once the models are loaded, from their identities.
     again = _workdir(tmp_path / "copy", "deb-s0")
-    with pytest.raises(ValueError, match="were both trained with seed 0: a repeated run is not another seed"):
-        length_study.check_labels([seeds[0], again])
+    length_study.check_labels([seeds[0], again])
+    rows = [dict(length_study.run_identity(w, 100), model="deb", dataset="d", method="none")
+            for w in (seeds[0], again)]
+    with pytest.raises(ValueError, match=f"{seeds[0]} and {again} would both be reported as 'deb' on d, averaged as "
+                                         "two seeds of one model, but both have seed 0: one run given twice, or a "
+                                         "repeated run, is not another seed"):
+        report.check_seed_groups(rows)
     with pytest.raises(ValueError, match="a transformers checkpoint has no seed"):
         length_study.check_labels([seeds[0]], [str(tmp_path / "hub" / "deb")])
     with pytest.raises(ValueError, match="'oracle', the name of a reference model"):
         length_study.check_labels([_workdir(tmp_path, "oracle")])
+
+
+def test_a_length_method_that_does_not_apply_is_listed_as_not_evaluated(tok, docs, tmp_path):
+    """BERT has no relative distances to interpolate: its `+interpolate_distances` row is named under "Not evaluated",
+    not silently missing; DeBERTa's is scored, and each record says which method it is."""
+    models = [length_study.EvalModel("bert", 0, "b", tiny(tok, attention="entangled", position_biased_input=True,
+                                                          num_layers=1), tok, 16),
+              length_study.EvalModel("deb", 0, "d", tiny(tok, num_layers=1), tok, 16)]
+    settings = length_study.StudySettings(lengths=(16,), protocols=("chunked",), policies=("clip",), bootstrap=10,
+                                          methods=("interpolate_distances",))
+    records, skipped = length_study.run_study(models, {"d": docs}, settings)
+    assert {(r["model"], r["method"]) for r in records} == {
+        ("bert", "none"), ("deb", "none"), ("deb+interpolate_distances", "interpolate_distances")}
+    _, summary, _ = report.write_report(records, skipped, str(tmp_path))
+    assert ("- bert+interpolate_distances: the length method 'interpolate_distances' does not apply to a model with "
+            "attention='entangled'") in summary.split("## Not evaluated")[1]
 
 
 def test_a_text_the_tokenizer_cannot_read_is_warned_about(tok, tmp_path):

@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,10 +19,10 @@ from deberta_jax.study import report
 def record(model, seed, eval_len, value, metric="loss", protocol="chunked", offset=None, bucket="all", ci=(None, None),
            policy="none", train_len=8):
     """A record with the fields, and their order, of `length_study.run_study`'s."""
-    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=None, train_len=train_len,
-                multiple=eval_len / train_len, protocol=protocol, offset=offset, policy=policy, dataset="d",
-                eval_len=eval_len, bucket=bucket, metric=metric, value=value, ci_low=ci[0], ci_high=ci[1],
-                n_tokens=100 + seed if isinstance(seed, int) else 50)
+    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=None, checkpoint=None, config=model,
+                method="none", train_len=train_len, multiple=eval_len / train_len, protocol=protocol, offset=offset,
+                policy=policy, dataset="d", eval_len=eval_len, bucket=bucket, metric=metric, value=value,
+                ci_low=ci[0], ci_high=ci[1], n_tokens=100 + seed if isinstance(seed, int) else 50)
 
 
 def study_records(rng) -> list[dict]:
@@ -165,7 +166,8 @@ def test_summary_tables_pivot_the_mean_rows():
 
 def floor_records() -> list[dict]:
     """Chunked losses at 1x and 2x of the unigram floor and of three models: one well below it, one level with it
-    and one below it only within its interval; `good` was loaded from checkpoint steps 100 and 200 of two seeds."""
+    and one below it only within its interval; `good` was loaded from the best checkpoints of two seeds, steps 100
+    and 200."""
     out = []
     for model, seeds, value, ci in (("unigram", ("-",), 3.0, (2.98, 3.02)), ("good", (0, 1), 2.5, (2.45, 2.55)),
                                     ("flat", (0,), 2.99, (2.97, 3.01)), ("noisy", (0,), 2.9, (2.8, 2.96))):
@@ -173,7 +175,8 @@ def floor_records() -> list[dict]:
             for eval_len in (8, 16):
                 v = value + (seed if isinstance(seed, int) else 0) * 0.01
                 step = 100 * (seed + 1) if model == "good" else None
-                out.append(dict(record(model, seed, eval_len, v, ci=ci), step=step))
+                out.append(dict(record(model, seed, eval_len, v, ci=ci), step=step,
+                                checkpoint="best" if step else None))
     return out
 
 
@@ -181,13 +184,40 @@ def test_a_model_not_clearly_below_the_unigram_floor_is_warned_of(tmp_path, monk
     logged = []
     monkeypatch.setattr(report.logging, "warning", lambda fmt, *args: logged.append(fmt % args))
     _, summary, _ = report.write_report(floor_records(), [], str(tmp_path), notes=["another warning"])
-    assert len(logged) == 1 and "flat (2.990), noisy (2.900) are not clearly below the unigram floor" in logged[0]
-    assert "good" not in logged[0]
+    assert len(logged) == 1 and "flat (2.990 at 1x), noisy (2.900 at 1x) are not clearly below the unigram floor" \
+        in logged[0]
+    assert "good" not in logged[0] and "not scored at the training length" not in logged[0]
     head = summary.split("Mean over seeds")[0]
     assert "another warning" in head and logged[0] in head
     assert report.read_results_file(tmp_path)["notes"] == ["another warning", logged[0]]
     _, rebuilt, _ = report.rebuild_report(str(tmp_path))  # the warning read back is not repeated
     assert rebuilt == summary
+
+
+def test_the_floor_warning_looks_at_the_shortest_length_scored(tmp_path):
+    """Without 1x (multiples 2,4), the shortest length scored stands in for it, and the warning says 1x is missing."""
+    records = [r for r in floor_records() if r["eval_len"] == 16]
+    _, summary, _ = report.write_report(records, [], str(tmp_path))
+    assert "flat (2.990 at 2x), noisy (2.900 at 2x) are not clearly below the unigram floor (3.000)" in summary
+    assert "flat, noisy were not scored at the training length" in summary and "add 1 to the multiples" in summary
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(config="other"), "they were trained differently (config fingerprints a vs other)"),
+    (dict(method="window"), "runs/a-s0 and runs/a-s1 under the length method 'window' would both be reported as 'a'"),
+    (dict(step=200, checkpoint="latest"), "they are at different checkpoint steps (100 vs 200)"),
+    (dict(seed=0, source="copy/a-s0"), "but both have seed 0: one run given twice, or a repeated run"),
+    (dict(seed=0, source="runs/a-s0"), "has 2 records for one loss (chunked, policy none, length 8, d): one run"),
+])
+def test_records_that_are_not_seeds_of_one_model_are_never_averaged(change, message):
+    """Records from anywhere (a results file, a sweep's cached evaluations) are grouped by what they are, not by their
+    label: seed 1 of `a` changed in one identity field at a time."""
+    base = [dict(record("a", seed, 8, 2.0 + seed), step=100, checkpoint="latest") for seed in (0, 1)]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        report.aggregate_seeds([base[0], dict(base[1], **change)])
+    # Each run's best checkpoint may be at another step.
+    best = [dict(r, checkpoint="best", step=100 * (i + 1)) for i, r in enumerate(base)]
+    assert report.aggregate_seeds(best)["n_seeds"].tolist() == [2]
 
 
 def test_results_and_summary_name_each_checkpoint_step(tmp_path):
