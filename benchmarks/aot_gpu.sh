@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # BERT-base and DeBERTa-base train steps compiled for NVIDIA GPUs on this CPU (python -m deberta_jax.aot; the CUDA
-# plugin, jax[cuda12], and no GPU): bfloat16, attention dropout 0.1 (published), at 512 x 32, 2,048 x 8 and
+# plugin, jax[cuda12], and no GPU): bfloat16, attention dropout 0.1 (published; 0 for BERT's cuDNN anchor, which has
+# none, its hidden dropout kept), at 512 x 32, 2,048 x 8 and
 # 8,192 x 2 tokens x rows per GPU (16,384 tokens a GPU: a global batch of 32 / 8 / 2 on one H200, 256 / 64 / 16 on
 # an 8-GPU H100 node with FSDP over its 8 GPUs), with each attention kernel of BERT_KERNELS / DEBERTA_KERNELS.
 # Per row: $OUT/<family>-<target>-<tokens>-<kernel>.json (the figures, fit hints included) and .md (its markdown
@@ -10,7 +11,6 @@
 #
 #   bash benchmarks/aot_gpu.sh [OUT]            # OUT defaults to results/aot-gpu
 #   FAMILIES=bert TARGETS=h200:1 SHAPES=512:32 BERT_KERNELS=dense bash benchmarks/aot_gpu.sh   # one row
-#   DEBERTA_KERNELS="dense blockwise pallas" bash benchmarks/aot_gpu.sh   # once the fused GPU kernel trains DeBERTa
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/aot-gpu}
@@ -18,15 +18,15 @@ PY=${PYTHON:-.venv/bin/python}
 FAMILIES=${FAMILIES:-bert deberta}
 TARGETS=${TARGETS:-h200:1 h100:8}  # GPU:COUNT, FSDP over the COUNT GPUs
 SHAPES=${SHAPES:-512:32 2048:8 8192:2}  # tokens:rows per GPU
-BERT_KERNELS=${BERT_KERNELS:-dense blockwise}
-DEBERTA_KERNELS=${DEBERTA_KERNELS:-dense blockwise}
+BERT_KERNELS=${BERT_KERNELS:-dense blockwise cudnn pallas}
+DEBERTA_KERNELS=${DEBERTA_KERNELS:-dense blockwise pallas}
 mkdir -p "$OUT"
 
 aot() {  # aot NAME FAMILY TOPOLOGY FSDP ARGS...
   local name=$1 family=$2 topology=$3 fsdp=$4
   shift 4
   "$PY" -m deberta_jax.aot --config "configs/$family.py:base" --topology "$topology" --config.mesh.fsdp="$fsdp" \
-    --config.model.dtype=bfloat16 --config.model.attention_dropout=0.1 --programs=train --format markdown \
+    --config.model.dtype=bfloat16 --programs=train --format markdown \
     --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md" \
     && { echo "$name done"; rm "$OUT/$name.log"; } \
     || { echo "$name FAILED: see $OUT/$name.log"; rm -f "$OUT/$name.md"; }
@@ -42,7 +42,8 @@ for target in $TARGETS; do
       for kernel in $kernels; do
         aot "$family-${target/:/x}-$tokens-$kernel" "$family" "$topology" "$gpus" \
           --config.data.seq_len="$tokens" --config.model.max_position_embeddings="$tokens" \
-          --config.train.batch_size="$rows" --config.model.attention_kernel="$kernel"
+          --config.train.batch_size="$rows" --config.model.attention_kernel="$kernel" \
+          --config.model.attention_dropout="$([ "$kernel" = cudnn ] && echo 0.0 || echo 0.1)"
       done
     done
   done
