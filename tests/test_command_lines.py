@@ -60,23 +60,19 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
                  "--lengths", "100000"], 1, "--lengths=100000 is out of range"),
         (EVAL + ["--workdir", workdir, "--data_files", "synthetic:markov:test", "--checkpoint", "abc", "--out",
                  f"{tmp}/out"], 1, "--checkpoint='abc'"),
-        # Flags whose values would quietly score, train or write something else than asked.
+        # Flags whose values would quietly score, train or write something else than asked (each kind once here;
+        # every field's refusal: tests/study/test_evaluation.py).
         *[(EVAL + ["--workdir", workdir, "--data_files", "synthetic:markov:test", "--out", f"{tmp}/out", *flags], 1,
            message) for flags, message in [
             (["--methods", "window,window"], "eval.py: methods: 'window' given twice; give each once"),
-            (["--protocols", "chunked,chunked"], "eval.py: protocols: 'chunked' given twice"),
-            (["--policies", "clip,clip"], "eval.py: policies: 'clip' given twice"),
-            (["--protocols="], "eval.py: protocols: none given, so nothing would be scored; give one or more of"),
             (["--policies="], "eval.py: policies: none given"),
             (["--multiples="], "eval.py: multiples: none given, so there is no length to score"),
             (["--max_eval_tokens=-100"], "eval.py: max_eval_tokens=-100: give a number of tokens"),
             (["--bootstrap", "0"], "eval.py: bootstrap=0: the 95% intervals are percentiles"),
             (["--workdir", ""], "eval.py: --workdir is empty: give a folder"),
-            (["--out", ""], "eval.py: --out is empty"),
             (["--hf_checkpoint", "gs:/bucket/hub"], "eval.py: --hf_checkpoint='gs:/bucket/hub' is neither a bucket URL "
              "nor a local path: write gs://bucket/hub (two slashes)")]],
         (TRAIN + CONFIG + ["--workdir", "gs:/bucket/run"], 1, "train.py: --workdir='gs:/bucket/run' is neither"),
-        (TRAIN + CONFIG + ["--workdir", ""], 1, "train.py: --workdir is empty"),
         (CURVES + ["--workdir", f"bert={workdir}", "--workdir", f"bert={tmp}/other", "--out", f"{tmp}/curves"], 1,
          f"--workdir bert={workdir} and --workdir bert={tmp}/other share the label 'bert'; give each run a label of "
          "its own"),

@@ -330,10 +330,10 @@ class StudySettings:
             if repeated:
                 raise ValueError(f"{name}: {', '.join(map(repr, repeated))} given twice; give each once (as given, "
                                  "one model would be scored twice and averaged with itself as two seeds)")
-        choices = dict(policies=ABSOLUTE_POSITION_POLICIES, protocols=tuple(protocols.PROTOCOLS))
-        for name, allowed in choices.items():
+        for name, allowed, lost in (("policies", ABSOLUTE_POSITION_POLICIES, "no model with a learned absolute table"),
+                                    ("protocols", tuple(protocols.PROTOCOLS), "nothing")):
             if not getattr(self, name):
-                raise ValueError(f"{name}: none given, so nothing would be scored; give one or more of {allowed}")
+                raise ValueError(f"{name}: none given, so {lost} would be scored; give one or more of {allowed}")
         if not self.multiples and not self.lengths:
             raise ValueError("multiples: none given, so there is no length to score; give multiples of the training "
                              f"length (default {','.join(map(str, DEFAULT_MULTIPLES))}) or explicit lengths")

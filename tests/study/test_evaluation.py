@@ -4,6 +4,7 @@ import gzip
 import io
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -251,6 +252,36 @@ def test_a_label_is_one_model_whose_runs_differ_only_in_seed(tmp_path):
         length_study.check_labels([seeds[0]], [str(tmp_path / "hub" / "deb")])
     with pytest.raises(ValueError, match="'oracle', the name of a reference model"):
         length_study.check_labels([_workdir(tmp_path, "oracle")])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(methods=("window", "window")), "methods: 'window' given twice; give each once"),
+    (dict(protocols=("chunked", "chunked")), "protocols: 'chunked' given twice"),
+    (dict(policies=("clip", "clip")), "policies: 'clip' given twice"),
+    (dict(protocols=()), "protocols: none given, so nothing would be scored; give one or more of ('chunked'"),
+    (dict(policies=()), "policies: none given, so no model with a learned absolute table would be scored"),
+    (dict(multiples=()), "multiples: none given, so there is no length to score"),
+    (dict(max_eval_tokens=-100), "max_eval_tokens=-100: give a number of tokens to keep"),
+    (dict(bootstrap=0), "bootstrap=0: the 95% intervals are percentiles over resamples"),
+])
+def test_settings_that_would_score_something_else_than_asked_are_refused(fields, message):
+    """eval.py's flags and a sweep's `eval` section alike (rows of tests/test_command_lines.py run a few as typed)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        length_study.StudySettings(**fields)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("", "--out is empty: give a folder"),
+    ("gs:/bucket/run", "--out='gs:/bucket/run' is neither a bucket URL nor a local path: write gs://bucket/run"),
+    ("s3:bucket", "write s3://bucket (two slashes)"),
+])
+def test_a_location_that_would_name_another_folder_is_refused(value, message):
+    from deberta_jax.data import errors
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        errors.check_location("--out", value)
+    for fine in ("gs://bucket/run", "runs/a:b", "gs_runs/a"):
+        errors.check_location("--out", fine)
 
 
 def test_a_length_method_that_does_not_apply_is_listed_as_not_evaluated(tok, docs, tmp_path):
