@@ -278,7 +278,8 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
     floor = floor_warnings(means)
     for warning in floor:
         logging.warning("%s", warning)
-    notes = list(dict.fromkeys([*notes, *floor]))  # a rebuilt report reads its floor warnings back with the notes
+    # A rebuilt report reads its floor warnings back with the notes: they are drawn anew (in this version's words).
+    notes = list(dict.fromkeys([*(note for note in notes if FLOOR_WARNING not in note), *floor]))
     write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
     summary = markdown_summary(means, skipped, notes, checkpoint_steps(frame))
     with storage.replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
@@ -294,6 +295,7 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
 # while an untrained or collapsed model sits within a few hundredths of it; and taking the interval's upper end
 # keeps a few hundred noisy targets from counting as "clearly below".
 FLOOR_MARGIN = 0.05
+FLOOR_WARNING = "not clearly below the unigram floor"  # what every floor warning says, in every version
 
 
 def floor_warnings(means: pd.DataFrame) -> list[str]:
@@ -318,7 +320,7 @@ def floor_warnings(means: pd.DataFrame) -> list[str]:
         named = [f"{m} ({v:.3f} at {n})" for m, v, n in zip(flat["model"], flat["value"], flat["length"])]
         warnings.append(
             f"{dataset}: {', '.join(named)} "
-            f"{'is' if len(flat) == 1 else 'are'} not clearly below the unigram floor ({floor:.3f}) (by {FLOOR_MARGIN} "
+            f"{'is' if len(flat) == 1 else 'are'} {FLOOR_WARNING} ({floor:.3f}) (by {FLOOR_MARGIN} "
             "nats at the interval's upper end): such a model predicts little better than token frequencies, so its "
             "length curve says nothing about positions; train it longer"
             + (f". {', '.join(past['model'])} {'was' if len(past) == 1 else 'were'} not scored at the training length, "

@@ -192,6 +192,12 @@ def test_a_model_not_clearly_below_the_unigram_floor_is_warned_of(tmp_path, monk
     assert report.read_results_file(tmp_path)["notes"] == ["another warning", logged[0]]
     _, rebuilt, _ = report.rebuild_report(str(tmp_path))  # the warning read back is not repeated
     assert rebuilt == summary
+    # Nor is one worded by an earlier version: the floor warnings are drawn anew.
+    data = report.read_results_file(tmp_path)
+    older = "d: flat (2.990) is not clearly below the unigram floor (3.000) at the training length"
+    report.write_results(data["records"], [], str(tmp_path), notes=["another warning", older])
+    _, rebuilt, _ = report.rebuild_report(str(tmp_path))
+    assert rebuilt == summary and older not in rebuilt
 
 
 def test_the_floor_warning_looks_at_the_shortest_length_scored(tmp_path):
