@@ -72,6 +72,8 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
             (["--workdir", ""], "eval.py: --workdir is empty: give a folder"),
             (["--hf_checkpoint", "gs:/bucket/hub"], "eval.py: --hf_checkpoint='gs:/bucket/hub' is neither a bucket URL "
              "nor a local path: write gs://bucket/hub (two slashes)")]],
+        (EVAL + ["--hf_checkpoint", f"{tmp}/nowhere", "--data_files", "synthetic:markov:test", "--out", f"{tmp}/out"],
+         1, f"eval.py: {tmp}/nowhere does not exist or is not a folder: give the folder of a Hugging Face checkpoint"),
         (TRAIN + CONFIG + ["--workdir", "gs:/bucket/run"], 1, "train.py: --workdir='gs:/bucket/run' is neither"),
         (CURVES + ["--workdir", f"bert={workdir}", "--workdir", f"bert={tmp}/other", "--out", f"{tmp}/curves"], 1,
          f"--workdir bert={workdir} and --workdir bert={tmp}/other share the label 'bert'; give each run a label of "
