@@ -164,7 +164,8 @@ def _keep(lay: Layout, refs: _Refs, query_tile, key_tile):
 
 
 # ------------------------------------------------------------------------------------------------ forward
-def _forward_kernel(*refs, lay: Layout):
+def _forward_kernel(*refs, lay: Layout, interpreted: bool):
+    del interpreted  # nothing in the forward pass depends on it
     refs = list(refs)
     ins = _input_refs(refs, lay)
     out_ref, lse_ref = refs
@@ -234,20 +235,39 @@ def _by_distance(lay: Layout, grad_ref, g, distance, tokens, near):
             jnp.sum(jnp.where(distance >= d_hi, g, 0.0), axis=axis))
 
 
-def _backward_kernel(*refs, lay: Layout):
+def _zero_rows(grad_ref, interpreted: bool):
+    """Zero a program's rows of a per-distance gradient (the distances no pair of it visits stay 0), a chunk of
+    columns at a time (a whole row block of a long band would not fit the registers), then wait for the whole
+    thread block: the stores of the pairs that follow, by other threads, must land after the zeros. (Zeros made
+    outside the kernel and aliased to its outputs would be buffers XLA may allocate long before the backward pass,
+    every layer's at once.) Interpreted, the program runs in order and has no threads to wait for."""
+    rows, columns = grad_ref.shape
+    chunk = min(columns, 128)
+
+    def zero(i, carry):
+        grad_ref[:, pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] = jnp.zeros((rows, chunk), grad_ref.dtype)
+        return carry
+    jax.lax.fori_loop(0, columns // chunk, zero, 0)
+    if not interpreted:
+        plgpu.debug_barrier()
+
+
+def _backward_kernel(*refs, lay: Layout, interpreted: bool):
     """Program (sequence, head, tile): dk, dv (and p2c's per-distance gradient) of key tile `tile` over its query
     tiles, then dq (and c2p's per-distance gradient, the temperature's) of query tile `tile` over its key tiles."""
     refs = list(refs)
     ins = _input_refs(refs, lay)
     do_ref, lse_ref, delta_ref = take(refs, True, True, True)
     s, t = lay.shape, lay.shape.tile
-    take(refs, s.p2c, lay.query_grads)  # the zeros the per-distance gradients start from: their outputs' buffers
     on = (True, True, True, s.p2c, s.p2c and lay.ends is not None, s.p2c and lay.ends is not None,
           lay.query_grads, lay.query_grads and lay.ends is not None, lay.query_grads and lay.ends is not None,
           s.temperature)
     (dk_ref, dv_ref, dq_ref, key_grad_ref, key_lo_ref, key_hi_ref, query_grad_ref, query_lo_ref, query_hi_ref,
      dt_ref) = take(refs, *on)
     tile = pl.program_id(2)
+    for grad_ref in (key_grad_ref, query_grad_ref):
+        if grad_ref is not None:
+            _zero_rows(grad_ref, interpreted)
     local = jnp.arange(t)
     zeros = jnp.zeros((t,), jnp.float32)
     block = jnp.zeros((t, lay.head_dim), jnp.float32)
@@ -305,7 +325,7 @@ def _backward_kernel(*refs, lay: Layout):
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
-def _call(kernel, lay: Layout, inputs, out_shapes, out_specs, aliases=()):
+def _call(kernel, lay: Layout, inputs, out_shapes, out_specs):
     """One pallas_call over (sequence, head, tile): Triton when lowered for a GPU, Pallas' interpreter elsewhere.
     `inputs` are (array, block) pairs: "sequence" arrays `[B, H, N, ...]` read whole per (sequence, head), "mask"
     `[B, N]`, "heads" `[H, ...]` (one head's slice), "shared" (one block for every program)."""
@@ -328,8 +348,8 @@ def _call(kernel, lay: Layout, inputs, out_shapes, out_specs, aliases=()):
 
     def run(interpret, *args):
         return pl.pallas_call(
-            functools.partial(kernel, lay=lay), grid=grid, in_specs=in_specs, out_specs=out_specs,
-            out_shape=out_shapes, input_output_aliases=dict(aliases), interpret=interpret,
+            functools.partial(kernel, lay=lay, interpreted=interpret), grid=grid, in_specs=in_specs,
+            out_specs=out_specs, out_shape=out_shapes, interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
             name=kernel.__name__.strip("_"))(*args)
 
@@ -397,30 +417,30 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
         d_lse = 0.0
     s, t = lay.shape, lay.shape.tile
     b, h, n_pad, d = q.shape
+    # The c2p / p2c products recomputed below depend on saved values only: without this barrier XLA may compute
+    # every layer's at the start of the backward pass and hold them all (4.8 GB for DeBERTa-base at 16k tokens).
+    q, k, options, d_out = jax.lax.optimization_barrier((q, k, options, d_out))
     # The score gradient is p * (dp - delta); the log-sum-exp's cotangent adds p * d_lse (its gradient is p).
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     inputs = _inputs(lay, q, k, v, mask, options) + [(d_out, "sequence"), (lse, "sequence"),
                                                           (delta, "sequence")]
     columns = lay.grad_columns
     per_token = jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)
-    # In the inputs' dtype, as the dense kernel's score gradient reaches its gathered terms.
-    grads = jax.ShapeDtypeStruct((b, h, n_pad, columns), q.dtype)
+    # In the inputs' dtype, as the dense kernel's score gradient reaches its gathered terms; heads first, so that
+    # their products with the tokens over (sequence, token) are batched matmuls without a transposed copy.
+    grads = jax.ShapeDtypeStruct((h, b, n_pad, columns), q.dtype)
+    per_distance = pl.BlockSpec((None, None, t, columns), lambda b_, h_, i: (h_, b_, i, 0))
     ends = lay.ends is not None
-    # (on, shape, spec) in `_backward_kernel`'s output order; the per-distance gradients start as zeros (aliased
-    # inputs): only the distances of visited pairs are written.
+    # (on, shape, spec) in `_backward_kernel`'s output order.
     items = [(True, jax.ShapeDtypeStruct(k.shape, k.dtype), _per_tile(t, d)),
              (True, jax.ShapeDtypeStruct(v.shape, v.dtype), _per_tile(t, d)),
              (True, jax.ShapeDtypeStruct(q.shape, q.dtype), _per_tile(t, d)),
-             (s.p2c, grads, _per_tile(t, columns)), (s.p2c and ends, per_token, _per_tile(t)),
-             (s.p2c and ends, per_token, _per_tile(t)), (lay.query_grads, grads, _per_tile(t, columns)),
+             (s.p2c, grads, per_distance), (s.p2c and ends, per_token, _per_tile(t)),
+             (s.p2c and ends, per_token, _per_tile(t)), (lay.query_grads, grads, per_distance),
              (lay.query_grads and ends, per_token, _per_tile(t)), (lay.query_grads and ends, per_token, _per_tile(t)),
              (s.temperature, per_token, _per_tile(t))]
     on = [item for item in items if item[0]]
-    zeros = [(jnp.zeros(grads.shape, grads.dtype), "sequence")] * (s.p2c + lay.query_grads)
-    # Output 3 is p2c's per-distance gradient when on; c2p's follows the two end sums that p2c may have.
-    aliases = [(len(inputs), 3)] * s.p2c + [(len(inputs) + s.p2c, 3 + s.p2c * (1 + 2 * ends))] * lay.query_grads
-    outputs = _call(_backward_kernel, lay, inputs + zeros, [shape for _, shape, _ in on], [spec for *_, spec in on],
-                    aliases)
+    outputs = _call(_backward_kernel, lay, inputs, [shape for _, shape, _ in on], [spec for *_, spec in on])
     dk, dv, dq, key_grad, key_lo, key_hi, query_grad, query_lo, query_hi, dt = take(
         list(outputs), *[item[0] for item in items])
 
@@ -441,17 +461,20 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
 
 def _table_grads(lay: Layout, grad, lo, hi, x, table):
     """A position term's share of its side's gradient (`[B, H, N, d]` float32) and its table's gradient, from the
-    score gradients per token and band distance `grad` (and the sums past each end, `lo`, `hi`) and the side's
-    tokens `x` (queries for c2p, keys for p2c). The band's table rows, one per distance (`[H, W, d]`, a gather of the
-    small table), turn the per-distance gradients into the side's with one product; the table's gradient adds the
-    distances that read the same row (a segment sum of `[H, W, d]`). No per-row `[B, H, N, R]` array is formed."""
+    score gradients per token and band distance `grad` (`[H, B, N, columns]`; and the sums past each end, `lo`,
+    `hi`) and the side's tokens `x` (queries for c2p, keys for p2c). The band's table rows, one per distance
+    (`[H, W, d]`, a gather of the small table; zeros for the discarded columns), turn the per-distance gradients into
+    the side's with one product; the table's gradient adds the distances that read the same row (a segment sum of
+    `[H, W, d]`). No per-row `[B, H, N, R]` array is formed, and the big per-distance array is read as it is."""
     by_distance = lay.relative.by_distance
-    rows = by_distance[lay.band_lo + np.arange(lay.band_width) + lay.shape.length - 1]
-    grad = grad[..., :lay.band_width]
+    width = lay.band_width
+    rows = by_distance[lay.band_lo + np.arange(width) + lay.shape.length - 1]
     f32 = jnp.float32
+    band_table = _pad(table[:, rows].astype(grad.dtype), 1, grad.shape[-1])
+    x_heads = jnp.swapaxes(x, 0, 1).astype(grad.dtype)  # [H, B, N, d]
     # Products in the inputs' dtype (a GPU accumulates them in float32 and rounds the result once).
-    side = jnp.einsum("bhnm,hmd->bhnd", grad, table[:, rows].astype(grad.dtype)).astype(f32)
-    per_distance = jnp.einsum("bhnm,bhnd->hmd", grad, x.astype(grad.dtype)).astype(f32)
+    side = jnp.swapaxes(jnp.einsum("hbnm,hmd->hbnd", grad, band_table), 0, 1).astype(f32)
+    per_distance = jnp.einsum("hbnm,hbnd->hmd", grad, x_heads)[:, :width].astype(f32)
     d_table = jnp.zeros(table.shape, f32).at[:, rows].add(per_distance)
     if lay.ends is not None:
         for sums, row in ((lo, by_distance[0]), (hi, by_distance[-1])):
@@ -467,8 +490,8 @@ def _bias_grad(lay: Layout, grad, lo, hi, width: int):
     past it reads the same bucket, so the gradient of the bucket table is the same). In the padded per-distance
     layout the kernels read (`_per_distance`)."""
     n = lay.shape.padded
-    out = jnp.zeros((grad.shape[1], width), jnp.float32)
-    per_distance = grad[..., :lay.band_width].astype(jnp.float32).sum(axis=(0, 2))
+    out = jnp.zeros((grad.shape[0], width), jnp.float32)
+    per_distance = grad.astype(jnp.float32).sum(axis=(1, 2))[:, :lay.band_width]
     out = out.at[:, lay.band_lo + n - 1 + np.arange(lay.band_width)].add(per_distance)
     if lay.ends is not None:
         d_hi, d_lo = lay.ends
