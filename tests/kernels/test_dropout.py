@@ -1,6 +1,6 @@
 """Dropout masks from 16-bit halves: the drawn rate, independence of neighbours, unbiased outputs; attention
 dropout's counter-based mask: the drawn rate, independence along every axis, a function of positions alone, so the
-blockwise kernel drops the dense kernel's entries (the fused TPU kernel's are tested in test_pallas_tpu.py)."""
+blockwise kernel drops the dense kernel's entries (the fused kernels' are tested in test_fused_kernels.py)."""
 
 import functools
 

@@ -5,7 +5,7 @@ lengths that are not a multiple of the tile, far pairs whose boundary falls anyw
 attention dropout (the dense kernel's mask at any tile size), a window (whose bands of tiles reach every windowed
 pair) with its global keys; and the model computes the same with each. The FLOPs the TPU kernels report to XLA are
 the products their traced bodies run. Compiling for TPUs is tested in test_pallas_tpu_compiles.py, for GPUs in
-test_pallas_compiles.py, the TPU dropout mask under a sharded batch in test_pallas_tpu_sharded.py."""
+test_pallas_compiles.py, both kernels under a sharded batch in test_fused_kernels_sharded.py."""
 
 import dataclasses
 import functools

@@ -1,5 +1,5 @@
 """The fused TPU kernel with every option it implements compiles for TPUs (Mosaic lowers its kernels, forward and
-backward) from this machine's CPU with libtpu: what the interpreter's parity tests (test_pallas_tpu.py) cannot
+backward) from this machine's CPU with libtpu: what the interpreter's parity tests (test_fused_kernels.py) cannot
 show. The whole train step with the kernel is compiled in tests/aot/test_aot.py."""
 
 import dataclasses

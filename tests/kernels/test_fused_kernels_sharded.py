@@ -1,5 +1,5 @@
-"""The fused TPU kernel under a sharded batch, on 8 fake CPU devices, in one subprocess (the device count is fixed
-when jax starts, and one start serves both checks):
+"""Each fused kernel (GPU and TPU, interpreted) under a sharded batch, on 8 fake CPU devices, in one subprocess per
+kernel (the device count is fixed when jax starts, and one start serves both checks):
 - attention dropout does not depend on how the batch is sharded: on 4 of the devices (the kernel split over the
   batch by `shard_map`, each device running it on its own sequence) outputs and gradients equal the dense kernel's
   on one device with the same key;
@@ -16,10 +16,10 @@ import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import deberta
 from deberta_jax.kernels.dense import dense_attention
-from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
+from deberta_jax.kernels import dispatch
 from deberta_jax.train import config_checks, programs, sharding
 from tests.kernels.test_kernels import outputs_and_grads
-from tests.kernels.test_pallas_tpu import max_error, table_inputs
+from tests.kernels.test_fused_kernels import max_error, table_inputs
 
 assert jax.device_count() == 8
 
@@ -33,7 +33,7 @@ terms = dataclasses.replace(terms, q=sharded[0], k=sharded[1])
 
 def kernel(*args):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return pallas_tpu_attention(*args, tile=8, **dropout)
+        return dispatch.attention_kernel(KERNEL, 0)(*args, tile=8, **dropout)
 
 got = outputs_and_grads(jax.jit(kernel), terms, sharded[2], sharded[3])
 want = outputs_and_grads(jax.jit(functools.partial(dense_attention, **dropout)), *jax.device_get((terms, v, key_mask)))
@@ -62,7 +62,7 @@ def run(kernel, mesh):
         losses.append(float(metrics["loss"]))
     return losses, state.params
 
-fused_losses, fused = run("pallas_tpu", sharding.make_mesh(fsdp=4))
+fused_losses, fused = run(KERNEL, sharding.make_mesh(fsdp=4))
 dense_losses, dense = run("dense", sharding.make_mesh(1, jax.devices()[:1]))
 np.testing.assert_allclose(fused_losses, dense_losses, rtol=1e-5)
 jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5), fused, dense)
@@ -71,6 +71,7 @@ print("losses", fused_losses)
 
 
 @pytest.mark.slow
-def test_dropout_mask_and_sharded_train_step_with_the_tpu_kernel_match_one_device():
-    stdout = run_on_fake_devices(["-c", SCRIPT]).stdout
+@pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"])
+def test_dropout_mask_and_sharded_train_step_with_a_fused_kernel_match_one_device(kernel):
+    stdout = run_on_fake_devices(["-c", f"KERNEL = {kernel!r}\n" + SCRIPT]).stdout
     assert "dropout error" in stdout and "losses" in stdout
