@@ -118,10 +118,11 @@ def _trained(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
     return config_dict.ConfigDict(tree)
 
 
-def config_fingerprint(workdir: str) -> str:
+def config_fingerprint(workdir: str, config: config_dict.ConfigDict | None = None) -> str:
     """A short hash of what a workdir's run trained (`_trained`, the training text by `packing.source_fingerprint`
-    where it can be read, and the tokenizer): the same for every seed of one model, and another for any other."""
-    trained = _trained(checkpoint.read_config(workdir)).to_dict()
+    where it can be read, and the tokenizer): the same for every seed of one model, and another for any other.
+    `config`: another config.json in place of the workdir's (what a sweep would have it train), with its tokenizer."""
+    trained = _trained(config or checkpoint.read_config(workdir)).to_dict()
     try:
         trained["data"]["train_files"] = packing.source_fingerprint(trained["data"]["train_files"])
     except OSError:  # the training text is gone; its spec still names it
@@ -144,13 +145,19 @@ def _folder_key(folder: str) -> str:
     return os.fspath(path).rstrip("/") if storage.is_remote(path) else str(path.resolve())
 
 
+def config_differences(old: config_dict.ConfigDict, new: config_dict.ConfigDict) -> list[str]:
+    """`config.<field> a vs b` for every difference between what two configs train (`_trained`), the training text
+    compared by the files it names, however spelled."""
+    differ = config_checks.differences(_trained(old), _trained(new))
+    return [f"config.{key} {a!r} vs {b!r}" for key, (a, b) in differ.items()
+            if not (key == "data.train_files" and packing.same_source(a, b))]
+
+
 def _identity_differences(first: str, other: str, configs: dict) -> list[str]:
     """`config.<field> a vs b` for every difference between two workdirs' runs (`configs`: each one's config)
     beyond `RUN_ONLY_FIELDS` (training text compared by the files it names, however spelled), and their
     tokenizers'."""
-    differ = config_checks.differences(*(_trained(configs[w]) for w in (first, other)))
-    out = [f"config.{key} {a!r} vs {b!r}" for key, (a, b) in differ.items()
-           if not (key == "data.train_files" and packing.same_source(a, b))]
+    out = config_differences(configs[first], configs[other])
     tokenizers = [storage.read_text(storage.path(w) / checkpoint.TOKENIZER_FILE) for w in (first, other)]
     return out + ([f"their {checkpoint.TOKENIZER_FILE}"] if tokenizers[0] != tokenizers[1] else [])
 

@@ -10,7 +10,9 @@ overrides, plus seeds, training lengths, overrides common to all runs, and the e
 Each run is an ordinary `train.py` invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`),
 so a sweep is resumable for free: finished runs (a checkpoint at `num_steps`) are skipped and
 interrupted ones resume from their last checkpoint. `--mode print` writes the same commands for a
-cluster scheduler instead of running them; `--mode report` evaluates whatever has finished. Each
+cluster scheduler instead of running them; `--mode report` evaluates whatever has finished. A finished run
+that trained on another config than the sweep now gives it (another data file, another model size) is refused,
+naming what changed, instead of being skipped and reported as the new config's. Each
 run's evaluation is kept in its workdir (`length_eval.json`), so an interrupted report resumes and a
 finished one is rebuilt in seconds; it is keyed by the evaluation settings and by what the checkpoint and
 the eval files contain, so moving a workdir or spelling the data path differently keeps it, and retraining
@@ -35,6 +37,7 @@ from ml_collections import config_dict, config_flags
 from deberta_jax import storage
 from deberta_jax.data import errors, packing, synthetic
 from deberta_jax.data.text import load_documents
+from deberta_jax.model.config import ModelConfig
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, config_checks, workdir_lock
 
@@ -78,8 +81,8 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
                 overrides.update({"seed": seed, "data.seq_len": seq_len})
                 command = [sys.executable, "train.py", "--config", variant.config, "--workdir", workdir]
                 command += [f"--config.{key}={_flag_value(value)}" for key, value in sorted(overrides.items())]
-                runs.append(dict(name=name, workdir=workdir, command=command,
-                                 num_steps=int(overrides["train.num_steps"])))
+                runs.append(dict(name=name, workdir=workdir, command=command, config=variant.config,
+                                 overrides=overrides, num_steps=int(overrides["train.num_steps"])))
     return runs
 
 
@@ -94,7 +97,64 @@ def finished(run: dict) -> bool:
         manager.close()
 
 
+# Beside a run the sweep trained: the fingerprint (`length_study.config_fingerprint`) of what it trained with.
+TRAINED_FILE = "sweep_trained.json"
+# Where train.py's config.json records the vocabulary it trained the tokenizer for (train.VOCAB_REQUEST).
+VOCAB_REQUEST = "tokenizer_trained_for_vocab_size"
+
+
+def planned_config(run: dict, saved: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """The config.json `train.py` would write for `run`'s command, beside the one a run wrote (`saved`): the model
+    complete at the training length, its vocabulary the size of the tokenizer the run trained (which train.py
+    reads from the tokenizer, not the config)."""
+    config = config_checks.load_config_file(run["config"])
+    config.update_from_flattened_dict(run["overrides"])
+    model = dict(config.model.to_dict(), trained_length=config.data.seq_len, vocab_size=saved.model.vocab_size)
+    planned = config_checks.resolved(config, ModelConfig.from_dict(model)).to_dict()
+    trains_tokenizer = not (config.data.tokenizer or synthetic.is_synthetic_spec(config.data.train_files))
+    planned["data"][VOCAB_REQUEST] = config.model.vocab_size if trains_tokenizer else None
+    # Fields added to train.py's config since the run was written (its model's are completed by
+    # length_study.config_differences): it trained as they do by default.
+    written = saved.to_dict()
+    for section, fields in planned.items():
+        if section != "model" and isinstance(fields, dict):
+            for field in set(fields) - set(written.get(section, {})):
+                del fields[field]
+    return config_dict.ConfigDict({key: value for key, value in planned.items() if key in written})
+
+
+def changed_since_trained(run: dict) -> str | None:
+    """None if a finished run trained what the sweep now plans for it, else one line naming what changed and the
+    choices. Runs the sweep trained are compared by their stored fingerprint, which also sees the training text
+    rewritten in place; others (trained from `--mode print`'s commands, or before fingerprints were stored) by
+    their config.json."""
+    saved = checkpoint.read_config(run["workdir"])
+    planned = planned_config(run, saved)
+    changes = length_study.config_differences(saved, planned)
+    stored = storage.path(run["workdir"]) / TRAINED_FILE
+    if not changes and stored.is_file():
+        fingerprint = json.loads(storage.read_text(stored))["config_fingerprint"]
+        if fingerprint != length_study.config_fingerprint(run["workdir"], planned):
+            changes = [f"the files config.data.train_files names ({planned.data.train_files}) were rewritten since "
+                       "it trained"]
+    if not changes:
+        return None
+    return (f"{run['name']} ({run['workdir']}) finished training on another config than this sweep gives it: "
+            f"{'; '.join(changes)} (trained vs now). Give another --sweep.workdir_root to train the sweep anew there, "
+            f"or remove {run['workdir']} to retrain this run")
+
+
+def check_finished_runs(runs: list[dict]) -> None:
+    """Refuses a sweep whose finished runs trained on another config than it now gives them: skipped, they would be
+    reported as the new config's."""
+    changed = [line for line in map(changed_since_trained, filter(finished, runs)) if line]
+    if changed:
+        others = f" (and {len(changed) - 1} other runs)" if len(changed) > 1 else ""
+        raise ValueError(changed[0] + others)
+
+
 def train_all(runs: list[dict]) -> None:
+    check_finished_runs(runs)
     for i, run in enumerate(runs, 1):
         if finished(run):
             print(f"[{i}/{len(runs)}] {run['name']}: finished, skipped", flush=True)
@@ -107,6 +167,9 @@ def train_all(runs: list[dict]) -> None:
                 f"run {run['name']} failed (exit status {err.returncode}; its message is above): "
                 f"{shlex.join(run['command'])}. Fix the cause and run the sweep again: finished runs are skipped, "
                 "this one resumes") from None
+        if finished(run):  # not after a stop (--stop_at_step), which leaves it to resume
+            storage.write_text(storage.path(run["workdir"]) / TRAINED_FILE,
+                               json.dumps(dict(config_fingerprint=length_study.config_fingerprint(run["workdir"]))))
 
 
 def code_version(report_dir: str) -> str:
@@ -188,6 +251,7 @@ def score_named(sweep: config_dict.ConfigDict, runs: list[dict], names: list[str
         raise FileNotFoundError(f"--runs: {', '.join(unfinished)} not finished under {sweep.workdir_root} (no "
                                 "checkpoint at its final step); train it first (--mode run, or --mode print's "
                                 "command)")
+    check_finished_runs([by_name[name] for name in names])
     settings, datasets, base = evaluation_inputs(sweep)
     corpora = {}
     for i, name in enumerate(names, 1):
@@ -203,6 +267,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
     missing = [r["name"] for r in runs if r not in done]
     if not done:
         raise FileNotFoundError(f"no finished run under {sweep.workdir_root}; train first (--mode run)")
+    check_finished_runs(done)
     settings, datasets, base = evaluation_inputs(sweep)
     # Runs are evaluated one at a time, so run_study cannot see whether they share a tokenizer.
     note = length_study.unpaired_note(
@@ -242,6 +307,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots], "",
         "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
         "raw records: [results.json.gz](results.json.gz) (`deberta_jax.study.report.load_results`).", "",
+        "## What each run trained", "", trained_table(done), "",
         "## Sweep configuration", "", "```json", json.dumps(sweep.to_dict(), indent=1, default=str), "```", "",
         # `python`, not this machine's interpreter path, as in the sweep command above.
         "## Commands", "", *[f"    {shlex.join(['python', *r['command'][1:]])}" for r in runs], "",
@@ -249,6 +315,20 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
     path = os.path.join(out, "REPORT.md")
     storage.write_text(path, "\n".join(lines))
     return path
+
+
+def trained_table(runs: list[dict]) -> str:
+    """A table of what each run trained on, from its own config.json: its training text and every model field that
+    differs between the runs (the sweep's configuration, below, is what it gives runs now)."""
+    configs = [checkpoint.read_config(run["workdir"]) for run in runs]
+    # Model fields added since a workdir was written hold their defaults, which is what it trained with.
+    models = [flatten(ModelConfig.from_dict(config.model.to_dict()).to_dict()) for config in configs]
+    fields = sorted(key for key in set().union(*models) if len({repr(m.get(key)) for m in models}) > 1)
+    rows = [["run", "data.train_files", "data.seq_len", *(f"model.{f}" for f in fields)],
+            ["---"] * (3 + len(fields))]
+    rows += [[run["name"], config.data.train_files, config.data.seq_len, *(model.get(f) for f in fields)]
+             for run, config, model in zip(runs, configs, models)]
+    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
 
 
 def sweep_command(sweep: config_dict.ConfigDict) -> str:

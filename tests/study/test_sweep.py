@@ -1,5 +1,6 @@
 """Ablation sweep: every variant of the ablation config trains and extrapolates; the runner skips finished runs."""
 
+import copy
 import shlex
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from configs.sweeps import ablation, natural, synthetic
 from deberta_jax.data import errors
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
-from deberta_jax.train import workdir_lock
+from deberta_jax.train import checkpoint, config_checks, workdir_lock
 from tests.helpers import REPO, variant_config, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
@@ -65,6 +66,8 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     config.train.num_steps = runs[0]["num_steps"]
     train.train_and_evaluate(config, runs[0]["workdir"])
     assert sweep.finished(runs[0]) and not sweep.finished(runs[1])
+    # Trained at micro size, not the smoke config's: what is tested here is the skipping.
+    monkeypatch.setattr(sweep, "changed_since_trained", lambda run: None)
     launched = []
     monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: launched.append(command))
     sweep.train_all(runs)
@@ -102,6 +105,68 @@ def test_a_failed_run_is_named_with_its_command_in_one_line(tmp_path):
     assert shlex.join(command) in message
 
 
+def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed(corpus, tmp_path, monkeypatch):
+    """A finished run is skipped only while it trained what the sweep gives it: another model size, another data
+    file, or its training text rewritten are named in one line with the choices; an unchanged rerun skips it."""
+    data = tmp_path / "data"
+    for name, source in (("brown/train.txt", "train.txt"), ("other/train.txt", "train.txt"),
+                         ("brown/valid.txt", "valid.txt"), ("wikitext-2/test.txt", "valid.txt")):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(corpus / source, data / name)
+    plan = ablation.get_config("smoke")
+    plan.workdir_root, plan.data_dir = str(tmp_path / "runs"), str(data)
+    plan.variants = plan.variants[:1]
+    plan.common_overrides.data.cache_dir = str(tmp_path / "cache")
+    [run] = sweep.planned_runs(plan)
+
+    def train_in_process(command, check):
+        assert command == run["command"]
+        config = config_checks.load_config_file(run["config"])
+        config.update_from_flattened_dict(run["overrides"])
+        train.train_and_evaluate(config, run["workdir"])
+
+    monkeypatch.setattr(sweep.subprocess, "run", train_in_process)
+    sweep.train_all([run])
+    assert (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).is_file()
+    assert sweep.changed_since_trained(run) is None
+    sweep.train_all([run])  # skipped: train_in_process would refuse a second training
+    monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: pytest.fail("trained again"))
+
+    def refusal(**changes) -> str:
+        changed = copy.deepcopy(plan)
+        changed.common_overrides.update_from_flattened_dict(changes.pop("overrides", {}))
+        changed.update(changes)
+        with pytest.raises(ValueError) as info:
+            sweep.train_all(sweep.planned_runs(changed))
+        message = str(info.value)
+        assert "\n" not in message and "--sweep.workdir_root" in message and f"remove {run['workdir']}" in message
+        return message
+
+    assert "config.model.hidden_size 32 vs 48" in refusal(overrides={"model.hidden_size": 48})
+    assert "config.data.train_files" in refusal(overrides={
+        "data.train_files": str(data / "other/train.txt")})
+    (data / "brown/train.txt").write_text((corpus / "train.txt").read_text().replace("the", "a"))
+    assert "brown/train.txt) were rewritten since it trained" in refusal()
+    # A run trained without the sweep (a printed command) has no fingerprint: its config.json is compared.
+    (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).unlink()
+    assert sweep.changed_since_trained(run) is None
+    assert "config.model.num_heads" in refusal(overrides={"model.num_heads": 2})
+
+
+def test_the_report_states_what_each_run_trained_from_its_own_config(tmp_path):
+    """Not the sweep's config now: each run's training text and the model fields that differ between runs."""
+    runs = []
+    for name, hidden, train_files in (("a-L16-s0", 32, "old/train.txt"), ("b-L16-s0", 48, "new/train.txt")):
+        config = variant_config(ablation.get_config("smoke").variants[0], "micro")
+        config.update_from_flattened_dict({"model.hidden_size": hidden, "data.train_files": train_files})
+        checkpoint.write_config(tmp_path / name, config)
+        runs.append(dict(name=name, workdir=str(tmp_path / name)))
+    table = sweep.trained_table(runs).splitlines()
+    assert table[0] == "| run | data.train_files | data.seq_len | model.hidden_size |"
+    assert table[2:] == [f"| a-L16-s0 | old/train.txt | {config.data.seq_len} | 32 |",
+                         f"| b-L16-s0 | new/train.txt | {config.data.seq_len} | 48 |"]
+
+
 @pytest.mark.long
 def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_path, monkeypatch):
     plan = ablation.get_config("smoke")
@@ -117,6 +182,8 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
         config = micro_variant_config(variant, corpus)
         config.train.num_steps = run["num_steps"]
         train.train_and_evaluate(config, run["workdir"])
+    # Trained at micro size, not the smoke config's: what is tested here is the scoring.
+    monkeypatch.setattr(sweep, "changed_since_trained", lambda run: None)
     # One run scored on its own (as a second process would, side by side): the report scores only the other.
     sweep.score_named(plan, runs, [runs[1]["name"]])
     scored, run_study = [], sweep.length_study.run_study
