@@ -89,6 +89,14 @@ def test_global_tokens_are_each_rows_ends_and_count_where_outside_the_window():
     np.testing.assert_array_equal(visible[1], [5, 5, 5, 6, 6, 5, 4, 3, 2, 2])
 
 
+def test_the_length_temperature_counts_the_global_keys_outside_the_window():
+    """The encoder's temperature, not only `visible_keys`: a middle query sees its window's 4 keys plus both ends."""
+    mask = np.ones((1, 10), np.int32)
+    with_ends = np.asarray(length_temperature(mask, 4, 4, with_ends=True))[0, 0, :, 0]
+    np.testing.assert_allclose(with_ends, np.log([5, 5, 5, 6, 6, 6, 6, 6, 5, 5]) / math.log(4), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(length_temperature(mask, 4, 4))[0, 0, :, 0], 1.0, rtol=1e-6)
+
+
 def test_interpolated_distances_reach_only_the_rows_of_the_training_length():
     kw = dict(position_buckets=8, max_relative_positions=64, clamp=True)
     n = 4 * TRAIN_LEN
@@ -198,6 +206,18 @@ def test_every_option_leaves_the_training_length_unchanged_and_acts_past_it(sche
     long, expected = encode(changed, 4 * TRAIN_LEN), encode(model, 4 * TRAIN_LEN)
     assert np.isfinite(long).all()
     assert np.abs(long - expected).max() > 1e-3
+
+
+@pytest.mark.parametrize("temperature", ["none", "log_length"])
+def test_a_window_with_global_tokens_sees_the_ends_the_window_leaves_out(temperature):
+    """One key past the window, each query's window leaves out exactly one end of the row (windows start at 0 or
+    1), so the window with its global tokens sees every key, as the model without a window does, and the window
+    alone does not; the log-length temperature then counts every key too."""
+    model = with_options(build("deberta"), attention_temperature=temperature)
+    n = TRAIN_LEN + 1
+    full = encode(model, n)
+    np.testing.assert_allclose(encode(with_options(model, **OPTIONS["window_global"]), n), full, rtol=1e-5, atol=1e-5)
+    assert np.abs(encode(with_options(model, **OPTIONS["window"]), n) - full).max() > 1e-3
 
 
 def test_log_length_scales_scores_by_the_log_ratio_in_an_entangled_model():
