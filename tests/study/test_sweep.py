@@ -153,6 +153,35 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
     assert "config.model.num_heads" in refusal(overrides={"model.num_heads": 2})
 
 
+def test_a_runs_cached_evaluation_is_redone_for_other_study_settings_or_another_checkpoint(corpus, tmp_path,
+                                                                                            monkeypatch):
+    """Each alone: the eval texts unchanged, only a study setting or only the checkpoint (the run continued)."""
+    plan = ablation.get_config("smoke")
+    for name in ("brown/valid.txt", "wikitext-2/test.txt"):
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(corpus / "valid.txt", tmp_path / "data" / name)
+    plan.data_dir = str(tmp_path / "data")
+    config = micro_variant_config(plan.variants[0], corpus)
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(config, workdir)
+    evaluated = []
+    monkeypatch.setattr(sweep.length_study, "load_workdir_model", lambda workdir: workdir)
+    monkeypatch.setattr(sweep.length_study, "run_study", lambda models, *args: evaluated.append(models) or ([], []))
+
+    def score(num_steps: int) -> int:
+        sweep.score_run(dict(workdir=workdir, num_steps=num_steps), *sweep.evaluation_inputs(plan), {})
+        return len(evaluated)
+
+    assert score(3) == 1 and score(3) == 1
+    plan.eval.multiples = [1, 2, 4]
+    assert score(3) == 2
+    plan.eval.max_eval_tokens += 1
+    assert score(3) == 3 and score(3) == 3
+    config.train.num_steps = config.train.checkpoint_every = 6
+    train.train_and_evaluate(config, workdir)
+    assert score(6) == 4
+
+
 def test_the_report_states_what_each_run_trained_from_its_own_config(tmp_path):
     """Not the sweep's config now: each run's training text and the model fields that differ between runs."""
     runs = []
