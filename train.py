@@ -168,6 +168,7 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
     Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM."""
     workdir = storage.path(workdir)
     storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
+    storage.check_checkpoints(workdir, "--workdir")
     # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
     with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(config, workdir, stop_at_step)

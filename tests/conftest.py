@@ -54,13 +54,8 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.fixture(scope="session")
-def gcs(tmp_path_factory):
-    """A real GCS API server (`tests.gcs_server`) for this test process, which it and the processes it starts
-    reach through the environment; each test makes its own bucket (`bucket`)."""
-    from tests.gcs_server import GcsServer
-
-    server = GcsServer(tmp_path_factory.mktemp("gcs")).start()
+def _serving(server):
+    """Runs `server` for this test process, which it and the processes it starts reach through the environment."""
     saved = {name: os.environ.get(name) for name in server.environment}
     os.environ.update(server.environment)
     yield server
@@ -72,11 +67,37 @@ def gcs(tmp_path_factory):
             os.environ[name] = value
 
 
-@pytest.fixture
-def bucket(gcs, request):
-    """A new bucket on the suite's GCS server, `gs://<name>`, named after the test."""
+def _bucket_name(request) -> str:
+    """A new bucket's name, after the test."""
     import re
     import uuid
 
-    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
-    return gcs.make_bucket(name)
+    return re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A real GCS API server (`tests.gcs_server`); each test makes its own bucket (`bucket`)."""
+    from tests.gcs_server import GcsServer
+
+    yield from _serving(GcsServer(tmp_path_factory.mktemp("gcs")).start())
+
+
+@pytest.fixture
+def bucket(gcs, request):
+    """A new bucket on the suite's GCS server, `gs://<name>`, named after the test."""
+    return gcs.make_bucket(_bucket_name(request))
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 API server (`tests.s3_server`); each test makes its own bucket (`s3_bucket`)."""
+    from tests.s3_server import S3Server
+
+    yield from _serving(S3Server().start())
+
+
+@pytest.fixture
+def s3_bucket(s3, request):
+    """A new bucket on the suite's S3 server, `s3://<name>`, named after the test."""
+    return s3.make_bucket(_bucket_name(request))

@@ -3,15 +3,14 @@
 A TPU pod's hosts share nothing but a bucket, so a run's workdir, its corpora and the outputs of evaluation and
 export may all live there. `path` turns what the user typed into the one type the project passes around: a
 `pathlib.Path` for a local path (so local behaviour is exactly what it always was) and an `etils.epath.Path` for
-a URL, which speaks the same pathlib API through fsspec (gcsfs for `gs://`; `s3://` needs s3fs installed, and
-its workdirs cannot be locked: the lock below needs GCS's generations) and which orbax takes as a checkpoint
-directory. The few operations where object storage differs from a disk are here, once:
+a URL, which speaks the same pathlib API through fsspec (gcsfs for `gs://`, s3fs for `s3://`) and which orbax
+takes as a checkpoint directory. The few operations where object storage differs from a disk are here, once:
 
   * no atomic rename: `write_bytes` / `replacing` write a local file under a temporary name and rename it, but
     upload an object in one request, which the store commits whole or not at all (a reader sees the old object
     or the new one, never part of one);
-  * no file locks: `create_new` (create only if absent, a generation precondition), `replace_version` and
-    `delete_version` (only the version one last saw) are what `train.workdir_lock` builds its lock from;
+  * no file locks: `create_new` (create only if absent), `replace_version` and `delete_version` (only the version
+    one last saw: a GCS generation, an S3 ETag) are what `train.workdir_lock` builds its lock from;
   * no cheap re-reading: `fingerprints` takes the checksums the store computed on upload from one listing
     instead of downloading every file;
   * a writer that can lose its workdir: `fence` makes every write under a folder ask a check first (the bucket
@@ -23,13 +22,22 @@ directory. The few operations where object storage differs from a disk are here,
 Directory listings are never cached (`use_listings_cache=False`): another host may have written since.
 """
 
-from deberta_jax.storage.objects import Version, create_new, delete_version, read_version, replace_version
+from deberta_jax.storage.objects import (
+    Version,
+    VersionId,
+    create_new,
+    delete_version,
+    other_version,
+    read_version,
+    replace_version,
+)
 from deberta_jax.storage.paths import (
     SCHEMES,
     AnyPath,
     PathLike,
     StorageError,
     bucket,
+    check_checkpoints,
     check_fence,
     check_writable,
     checksum,
@@ -56,8 +64,8 @@ from deberta_jax.storage.paths import (
     write_text,
 )
 
-__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "bucket", "check_fence", "check_writable",
-           "checksum", "checksum_kind", "create_new", "deadline", "delete_version", "fence", "filesystem",
-           "fingerprints", "glob", "identity", "is_remote", "local_copy", "move_tree", "path", "read_bytes",
-           "read_text", "read_version", "reader", "remove_tree", "replace_version", "replacing", "reporting",
-           "tree_bytes", "upload_tree", "write_bytes", "write_text"]
+__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "VersionId", "bucket", "check_checkpoints",
+           "check_fence", "check_writable", "checksum", "checksum_kind", "create_new", "deadline", "delete_version",
+           "fence", "filesystem", "fingerprints", "glob", "identity", "is_remote", "local_copy", "move_tree",
+           "other_version", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree",
+           "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes", "write_text"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
+import importlib.util
 import io
 import os
 import pathlib
@@ -20,8 +22,13 @@ from etils import epath
 
 from deberta_jax.storage import atomic, deadlines
 
-# Object stores the project knows how to address; fsspec serves each through its own library.
-SCHEMES = ("gs", "s3")
+# Object stores the project knows how to address, each with the library fsspec serves it through.
+_LIBRARIES = {"gs": "gcsfs", "s3": "s3fs"}
+SCHEMES = tuple(_LIBRARIES)
+# Stores orbax keeps checkpoints in: orbax 0.12 gives tensorstore (which writes the arrays) a bucket spec for gs://
+# only, and takes any other URL for a local path ("Checkpoint path should be absolute. Got s3:/bucket/..."). A scheme
+# belongs here once orbax addresses it.
+_CHECKPOINT_SCHEMES = ("gs",)
 # Listings cached by gcsfs / s3fs would hide what other hosts wrote since; every listing asks the store.
 for _protocol in ("gs", "gcs", "s3"):
     fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
@@ -50,12 +57,30 @@ def path(value: PathLike) -> AnyPath:
         return value
     text = os.fspath(value)
     if is_remote(text):
+        scheme = text.split("://", 1)[0]
+        if not _installed(_LIBRARIES[scheme]):  # else fsspec's ImportError surfaces inside the first call's error
+            raise StorageError(f"{text}: {scheme}:// paths need {_LIBRARIES[scheme]}, which is not installed here: "
+                               f"pip install {_LIBRARIES[scheme]}")
         return epath.Path(text)
     if "://" in text:
         scheme = text.split("://", 1)[0]
         raise ValueError(f"{text}: unknown storage scheme {scheme}://; use a local path or "
                          + " or ".join(f"{s}://bucket/..." for s in SCHEMES))
     return pathlib.Path(text)
+
+
+@functools.cache
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def check_checkpoints(folder: PathLike, what: str) -> None:
+    """Fails now, in one line naming `folder` and `what` it is for, when orbax cannot keep checkpoints in its store
+    (`_CHECKPOINT_SCHEMES`), before a run trains for nothing or a reader meets orbax's own error."""
+    text = os.fspath(folder)
+    if is_remote(text) and text.split("://", 1)[0] not in _CHECKPOINT_SCHEMES:
+        raise StorageError(f"{what} {text}: orbax cannot keep checkpoints in {bucket(text)} (it writes them to a local "
+                           "disk or to gs:// only); keep the workdir on a local disk, a shared filesystem or in gs://")
 
 
 def bucket(value: PathLike) -> str:
@@ -205,8 +230,13 @@ def move_tree(source: PathLike, target: PathLike) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(os.fspath(source), os.fspath(target))
         return
+    fs, prefix, into = filesystem(source), _key(source).rstrip("/") + "/", _key(target).rstrip("/") + "/"
     with reporting(source, "move"):
-        filesystem(source).mv(_key(source), _key(target), recursive=True)
+        # Object by object: s3fs's recursive `mv` also copies and deletes the folder itself, which no object names.
+        keys = [key for key in fs.find(prefix) if key.startswith(prefix)]
+        for key in keys:
+            fs.copy(key, into + key[len(prefix):])
+        fs.rm(keys)
 
 
 def glob(pattern: str) -> list[str]:

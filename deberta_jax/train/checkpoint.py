@@ -88,6 +88,7 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
         ]),
     )
     directory = storage.path(workdir) / CHECKPOINT_DIR
+    storage.check_checkpoints(workdir, "workdir")
     with storage.deadline(directory, "list the checkpoints in"):
         return ocp.CheckpointManager(directory if storage.is_remote(directory) else directory.absolute(),
                                      options=options)

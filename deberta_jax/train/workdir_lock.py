@@ -10,13 +10,13 @@ the previous holder died, which is reported with its PID before the lock is take
 flock is per host: on a filesystem shared between machines (NFS) it does not exclude a process on
 another machine. Multi-process runs take the lock in process 0 only (all processes are one run).
 
-A workdir in object storage (`gs://`) has no file locks; its lock is an object created only if none exists (a
-generation precondition, so of two launches on any machines exactly one succeeds), holding the same record and a
-nonce drawn for this hold. The holder renews it every `RENEW_EVERY_S` by replacing it only if it is still the version
-it wrote, and deletes it on exit. Nothing tells a bucket that a process died, so a lock is taken over (with a warning
-naming the holder) when its last renewal is `STALE_AFTER_S` old, or at once when the holder ran on this host and its
-PID no longer runs (a restart on the same VM). An empty lock object holds nothing: it is a local workdir's released
-lock file, uploaded with the workdir.
+A workdir in object storage (`gs://`, `s3://`) has no file locks; its lock is an object created only if none exists
+(a conditional write, so of two launches on any machines exactly one succeeds), holding the same record and a nonce
+drawn for this hold; each version of it is told apart by GCS's generation or S3's ETag. The holder renews it every
+`RENEW_EVERY_S` by replacing it only if it is still the version it wrote, and deletes it on exit. Nothing tells a
+bucket that a process died, so a lock is taken over (with a warning naming the holder) when its last renewal is
+`STALE_AFTER_S` old, or at once when the holder ran on this host and its PID no longer runs (a restart on the same
+VM). An empty lock object holds nothing: it is a local workdir's released lock file, uploaded with the workdir.
 
 A refused renewal is not yet a lost lock: a write the client gave up on (a stalled store) may land later and move
 the generation. So the lock is read first; still holding this hold's nonce, it is this run's, and its generation
@@ -152,7 +152,7 @@ def _dead_here(holder: dict) -> bool:
     return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not atomic.running(pid)
 
 
-def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int, float]:
+def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, storage.VersionId, float]:
     """`(record, generation, sent)`: the lock taken, with the monotonic time its creation was sent."""
     record = _record(what)
     data = json.dumps(record).encode()
@@ -181,11 +181,12 @@ def _acquire(lock, what: str, stale_after_s: float) -> tuple[dict, int, float]:
     raise _busy(lock.parent, None, " (its lock changed hands while this run tried to take it)")
 
 
-def _require_preconditions(lock, data: bytes, generation: int) -> None:
+def _require_preconditions(lock, data: bytes, generation: storage.VersionId) -> None:
     """Refuses a store on which this lock would keep nobody out: one that carries out a write conditional on a
     generation the object does not have. Both kinds the lock uses are tried, each of which must be refused: creating
     the object just created, and replacing it on another generation."""
-    if storage.create_new(lock, data) is None and storage.replace_version(lock, data, generation + 1) is None:
+    elsewhere = storage.other_version(generation)
+    if storage.create_new(lock, data) is None and storage.replace_version(lock, data, elsewhere) is None:
         return
     current = storage.read_version(lock)
     if current is not None:
@@ -193,7 +194,8 @@ def _require_preconditions(lock, data: bytes, generation: int) -> None:
     raise storage.StorageError(
         f"{storage.bucket(lock)}: this store ignores generation preconditions (it carried out a write of {lock} "
         "conditional on a generation the object did not have), so a lock there cannot keep a second run out of the "
-        "workdir; keep the workdir on a local disk, or in a store that honours them (Google Cloud Storage does)")
+        "workdir; keep the workdir on a local disk, or in a store that honours them (Google Cloud Storage and Amazon "
+        "S3 do)")
 
 
 class _ObjectHolding(Holding):
@@ -201,7 +203,8 @@ class _ObjectHolding(Holding):
     renewal is half of `stale_after_s` old (this process or the store stalled), so that a run another one took over
     learns it before it writes."""
 
-    def __init__(self, lock, record: dict, generation: int, sent: float, renew_every_s: float, stale_after_s: float):
+    def __init__(self, lock, record: dict, generation: storage.VersionId, sent: float, renew_every_s: float,
+                 stale_after_s: float):
         super().__init__()
         self.lock, self.record, self.generation = lock, record, generation
         self.renewed = sent  # monotonic time the last write of the lock that the store applied was sent

@@ -1,0 +1,101 @@
+"""s3:// against a real S3 API server the suite starts (moto's, `tests.s3_server`): the workdir lock by S3's conditional
+writes, whole files, listings and checksums; checkpoints, which orbax cannot keep there, refused in one line before
+anything is trained or read; a missing s3fs named with its install command."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deberta_jax import storage
+from deberta_jax.storage import paths
+from deberta_jax.train import checkpoint, metrics_io, workdir_lock
+from tests.helpers import REPO
+
+
+def test_the_s3_lock_refuses_a_second_run_renews_keeps_its_own_late_write_and_is_taken_over_when_stale(s3_bucket,
+                                                                                                      caplog):
+    workdir, lock = f"{s3_bucket}/run", f"{s3_bucket}/run/{workdir_lock.LOCK_FILE}"
+    with caplog.at_level(logging.WARNING), workdir_lock.hold(workdir, what="the first run", renew_every_s=0.2,
+                                                              stale_after_s=5) as holding:
+        versions, deadline = set(), time.monotonic() + 1.2
+        while time.monotonic() < deadline:
+            versions.add(storage.read_version(lock).generation)
+            time.sleep(0.05)
+        assert len(versions) >= 3, versions  # taken, then renewed at least twice (each renewal a new ETag)
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="in use by PID .* the first run"):
+            with workdir_lock.hold(workdir):
+                pass
+        # The late copy of a renewal, with different content (its time) and so a new ETag, between two renewals.
+        while True:  # a renewal may come between the read and the write
+            current = storage.read_version(lock)
+            late = json.dumps(dict(json.loads(current.data), renewed=0)).encode()
+            if storage.replace_version(lock, late, current.generation):
+                break
+        time.sleep(0.6)
+        holding.check()
+    assert "landed late" in caplog.text and "taken over" not in caplog.text
+    assert not storage.path(lock).exists()
+    # A holder on another host that stopped renewing: refused while fresh, taken over once silent long enough (S3's
+    # update times have whole seconds).
+    other = dict(pid=1, host="another-vm", since=time.time(), what="train.py")
+    assert storage.create_new(lock, json.dumps(other).encode())
+    assert storage.create_new(lock, b"{}") is None
+    with pytest.raises(workdir_lock.WorkdirBusyError, match="PID 1 on another-vm"):
+        with workdir_lock.hold(workdir, stale_after_s=60):
+            pass
+    time.sleep(2.5)
+    with workdir_lock.hold(workdir, stale_after_s=1) as holding:
+        assert json.loads(storage.read_text(lock))["pid"] == os.getpid()
+        # Taken over in turn while this holder stalled: it writes nothing more.
+        current = storage.read_version(lock)
+        assert not storage.delete_version(lock, storage.other_version(current.generation))
+        assert storage.delete_version(lock, current.generation)
+        assert storage.create_new(lock, json.dumps(other).encode())
+        time.sleep(0.6)
+        with pytest.raises(workdir_lock.WorkdirBusyError, match="was taken over by another run"):
+            storage.write_text(f"{workdir}/metrics.jsonl", "")
+    assert json.loads(storage.read_text(lock))["host"] == "another-vm"
+
+
+def test_s3_files_listings_checksums_and_a_workdirs_records_read_as_locally(s3_bucket, tmp_path):
+    workdir = f"{s3_bucket}/run"
+    storage.check_writable(workdir, "--workdir")
+    storage.write_text(f"{workdir}/{metrics_io.METRICS_FILE}", '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.')
+    assert metrics_io.read_metrics(workdir) == [{"step": 1, "loss": 2.5}]  # a torn last line is left out
+    (tmp_path / "local" / "sub").mkdir(parents=True)
+    (tmp_path / "local" / "sub" / "a.txt").write_text("a")
+    (tmp_path / "local" / "b.txt").write_text("b")
+    storage.upload_tree(tmp_path / "local", f"{s3_bucket}/tree")
+    assert storage.glob(f"{s3_bucket}/tree/**/*.txt") == [f"{s3_bucket}/tree/b.txt", f"{s3_bucket}/tree/sub/a.txt"]
+    assert storage.fingerprints(f"{s3_bucket}/tree") == storage.fingerprints(tmp_path / "local", kind="md5")
+    with storage.local_copy(f"{s3_bucket}/tree") as local:
+        assert (local / "sub" / "a.txt").read_text() == "a"
+    storage.move_tree(f"{s3_bucket}/tree", f"{s3_bucket}/moved")
+    assert storage.read_text(f"{s3_bucket}/moved/b.txt") == "b" and not storage.path(f"{s3_bucket}/tree").exists()
+
+
+def test_checkpoints_in_s3_are_refused_in_one_line_before_training_or_reading(s3_bucket, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{s3_bucket}/run",
+         "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "model:" not in result.stderr, result.stderr[-2000:]
+    assert (f"train.py: --workdir {s3_bucket}/run: orbax cannot keep checkpoints in {s3_bucket}"
+            in result.stderr.splitlines()[-2]), result.stderr[-2000:]
+    assert not storage.path(f"{s3_bucket}/run/{workdir_lock.LOCK_FILE}").exists()
+    # eval.py, the export, the sweep and the length study open a workdir's checkpoints through the same manager.
+    with pytest.raises(storage.StorageError, match="orbax cannot keep checkpoints"):
+        checkpoint.checkpoint_manager(f"{s3_bucket}/run", read_only=True)
+
+
+def test_s3_without_s3fs_is_one_line_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(paths, "_installed", lambda module: module != "s3fs")
+    with pytest.raises(storage.StorageError, match=r"^s3://b/run: s3:// paths need s3fs, which is not installed "
+                                                   r"here: pip install s3fs$"):
+        storage.path("s3://b/run")
