@@ -9,7 +9,7 @@
 # cost analysis: FLOPs are the model's, bytes unknown, the roofline compute and NVLink alone (docs/tpu.md).
 # Each base-model compile takes minutes of one CPU core.
 #
-#   bash benchmarks/aot_gpu.sh [OUT]            # OUT defaults to results/aot-gpu
+#   bash benchmarks/aot_gpu.sh [OUT]            # OUT defaults to results/aot-gpu; rows already there are kept
 #   FAMILIES=bert TARGETS=h200:1 SHAPES=512:32 BERT_KERNELS=dense bash benchmarks/aot_gpu.sh   # one row
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +20,16 @@ TARGETS=${TARGETS:-h200:1 h100:8}  # GPU:COUNT, FSDP over the COUNT GPUs
 SHAPES=${SHAPES:-512:32 2048:8 8192:2}  # tokens:rows per GPU
 BERT_KERNELS=${BERT_KERNELS:-dense blockwise cudnn pallas}
 DEBERTA_KERNELS=${DEBERTA_KERNELS:-dense blockwise pallas}
+# DeBERTa's relative table: "grown" is configs/deberta.py's (it follows the training length: 2 x seq_len / 2 rows
+# for every distance), "published" DeBERTa-v3's (256 log buckets to 512, as the released checkpoints run at any
+# length); past 512 tokens they differ, and the fused kernels' memory is linear in length only with the latter.
+DEBERTA_TABLES=${DEBERTA_TABLES:-grown published}
 mkdir -p "$OUT"
 
-aot() {  # aot NAME FAMILY TOPOLOGY FSDP ARGS...
+aot() {  # aot NAME FAMILY TOPOLOGY FSDP ARGS...; a row already in $OUT is kept (FORCE=1 compiles it again)
   local name=$1 family=$2 topology=$3 fsdp=$4
   shift 4
+  if [ -z "${FORCE:-}" ] && [ -s "$OUT/$name.md" ]; then echo "$name kept"; return; fi
   "$PY" -m deberta_jax.aot --config "configs/$family.py:base" --topology "$topology" --config.mesh.fsdp="$fsdp" \
     --config.model.dtype=bfloat16 --programs=train --format markdown \
     --out "$OUT/$name.json" "$@" 2>"$OUT/$name.log" > "$OUT/$name.md" \
@@ -39,11 +44,18 @@ for target in $TARGETS; do
     tokens=${tokens_rows%%:*} rows=$((${tokens_rows##*:} * gpus))
     for family in $FAMILIES; do
       kernels=$([ "$family" = bert ] && echo "$BERT_KERNELS" || echo "$DEBERTA_KERNELS")
-      for kernel in $kernels; do
-        aot "$family-${target/:/x}-$tokens-$kernel" "$family" "$topology" "$gpus" \
-          --config.data.seq_len="$tokens" --config.model.max_position_embeddings="$tokens" \
-          --config.train.batch_size="$rows" --config.model.attention_kernel="$kernel" \
-          --config.model.attention_dropout="$([ "$kernel" = cudnn ] && echo 0.0 || echo 0.1)"
+      tables=$([ "$family" = bert ] && echo grown || echo "$DEBERTA_TABLES")
+      for table in $tables; do
+        [ "$table" = published ] && [ "$tokens" -le 512 ] && continue  # the same table as the grown one
+        table_flags=()
+        [ "$table" = published ] && table_flags=(--config.model.position_buckets=256 \
+          --config.model.max_relative_positions=512)
+        for kernel in $kernels; do
+          aot "$family-${target/:/x}-$tokens-$kernel$([ "$table" = published ] && echo -v3)" "$family" "$topology" \
+            "$gpus" --config.data.seq_len="$tokens" --config.model.max_position_embeddings="$tokens" \
+            --config.train.batch_size="$rows" --config.model.attention_kernel="$kernel" \
+            --config.model.attention_dropout="$([ "$kernel" = cudnn ] && echo 0.0 || echo 0.1)" "${table_flags[@]}"
+        done
       done
     done
   done
