@@ -456,6 +456,10 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
         d_bias = _bias_grad(lay, query_grad, query_lo, query_hi, bias.shape[-1]).astype(bias.dtype)
     if s.temperature and temperature.shape[1] == 1:  # one factor for every head
         dt = jnp.sum(dt, axis=1, keepdims=True)
+    # Released together: the tables' and the bias's gradients (off the path to the layer below) would otherwise be
+    # left for later by XLA's scheduler, keeping every layer's per-distance gradients alive until then.
+    grads = jax.lax.optimization_barrier((dq, dk, dv, (dt, d_pos_key, d_pos_query, d_bias)))
+    dq, dk, dv, (dt, d_pos_key, d_pos_query, d_bias) = grads
     return dq, dk, dv, None, (None, None, dt, d_pos_key, d_pos_query, d_bias)
 
 
