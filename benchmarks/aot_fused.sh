@@ -34,6 +34,6 @@ for family in deberta bert; do
     done
   done
 done
-{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
+{ "$PY" -c "from deberta_jax.aot.text import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
   > "$OUT/table.md"
 rm "$OUT"/*-*.md

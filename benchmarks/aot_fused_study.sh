@@ -50,7 +50,7 @@ done
 # Each compile's rows, not the previous table.md, make the new one.
 rows=()
 for f in "$OUT"/*.md; do [ "$(basename "$f")" = table.md ] || rows+=("$f"); done
-{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
+{ "$PY" -c "from deberta_jax.aot.text import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
   > "$OUT/table.md.tmp"
 rm "${rows[@]}"
 mv "$OUT/table.md.tmp" "$OUT/table.md"

@@ -63,6 +63,6 @@ done
 # Every row in $OUT (this run's and earlier ones'), not only this run's, makes the table.
 rows=()
 for f in "$OUT"/*.md; do [ "$(basename "$f")" = table.md ] || rows+=("$f"); done
-{ "$PY" -c "from deberta_jax.aot.__main__ import GPU_MARKDOWN_HEADER; print(GPU_MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
+{ "$PY" -c "from deberta_jax.aot.text import GPU_MARKDOWN_HEADER; print(GPU_MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
   > "$OUT/table.md.tmp"
 mv "$OUT/table.md.tmp" "$OUT/table.md"

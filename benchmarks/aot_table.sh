@@ -46,6 +46,6 @@ wait
 aot v5e-deberta-base-512-scan v5e:4x4 16 configs/deberta.py:base --programs=train \
   --config.model.scan_layers=True
 aot v5e-deberta-base-512-2-slices v5e:4x4 16 configs/deberta.py:base --programs=train --num_slices 2
-{ "$PY" -c "from deberta_jax.aot.__main__ import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
+{ "$PY" -c "from deberta_jax.aot.text import MARKDOWN_HEADER; print(MARKDOWN_HEADER)"; cat "$OUT"/*-*.md; } \
   > "$OUT/table.md"
 rm "$OUT"/*-*.md  # the rows are in table.md, the figures in the JSON files

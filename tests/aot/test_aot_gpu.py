@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from configs import bert, deberta
-from deberta_jax.aot import analysis, build, chips
+from deberta_jax.aot import analysis, build, chips, text
 from deberta_jax.aot.chips import GIB, GPUS, TopologyError
 from deberta_jax.model.config import ConfigError
 from deberta_jax.train import programs as run_programs
@@ -194,12 +194,7 @@ def test_a_program_too_large_for_an_a100_gets_the_gpu_knobs():
     assert len(kernel) == 1 and "fused GPU kernel" in kernel[0]
     assert any("--config.model.remat=dots_no_batch" in h for h in hints)
     assert any("--config.train.grad_accum_steps=2" in h for h in hints)
-    assert "DOES NOT FIT" in _describe(train)
-
-
-def _describe(report):
-    from deberta_jax.aot.__main__ import describe
-    return describe(report)
+    assert "DOES NOT FIT" in text.describe(train)
 
 
 def _report(chip, needed_gib, argument_gib, name="train step", num_chips=1):
