@@ -43,6 +43,15 @@ def jax_compilation_cache(tmp_path_factory):
     return cache
 
 
+@pytest.fixture
+def no_persistent_cache():
+    """For tests that compile for TPUs or GPUs this process lacks: the persistent compilation cache cannot hold
+    their executables."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+
+
 def pytest_collection_modifyitems(items):
     """Tests marked `long` first (a stable sort): a worker that picks one up last would run on alone."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, combine_scores, mask_keys, saturation
-from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys, take
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, kernel_shape, merge_global_keys, take
 
 # Queries and keys per tile. Triton wants powers of two of at least 16; 64 x 64 float32 scores, their gathers and
 # the accumulators fit a thread block's registers at head sizes up to 128.
@@ -529,19 +529,9 @@ def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dr
 
     `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
     (`relative`), as the TPU kernel takes them. `tile` is for tests (at least 16, a power of two)."""
-    if terms.c2p is not None or terms.p2c is not None:
-        raise ValueError("attention_kernel='pallas' takes DeBERTa's projected tables (ScoreTerms.pos_key / "
-                         "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
+    shape = kernel_shape(terms, "pallas", tile, dropout_rate, dropout_key)
+    batch, heads, length, d = terms.q.shape
     q, k = terms.q, terms.k
-    batch, heads, length, d = q.shape
-    if k.shape[-2] != length:
-        raise ValueError(f"attention_kernel='pallas' is self-attention: {length} queries but {k.shape[-2]} keys")
-    relative = terms.relative is not None
-    dropout = dropout_key is not None and dropout_rate > 0
-    shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
-                        relative and terms.pos_query is not None, terms.bias is not None,
-                        float(dropout_rate) if dropout else 0.0, temperature=terms.temperature is not None,
-                        window=terms.window if terms.window < length else 0)
     head_dim = max(16, pl.next_power_of_2(d))  # zero features change no product
     lay = _layout(terms, shape, head_dim)
     n_pad = shape.padded
@@ -550,7 +540,7 @@ def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dr
         return _pad(_pad(x, 3, head_dim), 2, n_pad)
 
     hashes = query_hash = key_hash = temperature = bias = None
-    if dropout:
+    if shape.dropout:
         # Hashed outside the kernel, over the whole batch: a device running the kernel on its rows of a sharded
         # batch reads its sequences' hashes, so the mask does not depend on the sharding.
         positions = np.arange(n_pad)

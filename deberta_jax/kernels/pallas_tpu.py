@@ -77,7 +77,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import ScoreTerms, combine_scores, mask_keys, saturation
-from deberta_jax.kernels.tiling import KernelShape, batch_shards, merge_global_keys, take
+from deberta_jax.kernels.tiling import KernelShape, batch_shards, kernel_shape, merge_global_keys, take
 
 # Queries and keys per tile: one lane width, so the `[T, 2T]` products and their rotation fill whole vregs and
 # the matrix unit (128 x 128 on v5e) runs full tiles.
@@ -703,21 +703,13 @@ def pallas_tpu_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *
     rate) drops exactly the dense kernel's entries. `tile` is for tests (interpret mode runs any size; Mosaic
     needs a multiple of 128).
     """
-    if terms.c2p is not None or terms.p2c is not None:
-        raise ValueError("attention_kernel='pallas_tpu' takes DeBERTa's projected tables (ScoreTerms.pos_key / "
-                         "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
+    shape = kernel_shape(terms, "pallas_tpu", tile, dropout_rate, dropout_key)
     q, k = terms.q, terms.k
     batch, heads, length, _ = q.shape
-    if k.shape[-2] != length:
-        raise ValueError(f"attention_kernel='pallas_tpu' is self-attention: {length} queries but {k.shape[-2]} keys")
     relative = terms.relative is not None
-    dropout = dropout_key is not None and dropout_rate > 0
-    shape = KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
-                        relative and terms.pos_query is not None, terms.bias is not None,
-                        float(dropout_rate) if dropout else 0.0,
-                        temperature=terms.temperature is not None,
-                        window=terms.window if terms.window < length else 0,
-                        ends=saturation(terms.relative.by_distance, length, length) if relative else None)
+    dropout = shape.dropout
+    if relative:
+        shape = dataclasses.replace(shape, ends=saturation(terms.relative.by_distance, length, length))
     if shape.ends is not None and shape.near_pairs(backward=False).sum() == shape.num_tiles * shape.key_band:
         # The table reaches every distance the grid visits (it grows with the training length, and the model is
         # not scored past it): no far pair, so no end terms to compute.

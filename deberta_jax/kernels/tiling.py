@@ -138,6 +138,25 @@ class KernelShape:
         return jnp.minimum(jax.lax.div(first, self.tile), self.num_tiles - self.query_band) + step
 
 
+def kernel_shape(terms: ScoreTerms, kernel: str, tile: int, dropout_rate: float, dropout_key) -> KernelShape:
+    """The plan of one fused call of `kernel` ("pallas", "pallas_tpu") on `terms`, without end terms (each kernel
+    decides which index it saturates on); refuses what neither fused kernel takes: DeBERTa's products instead of its
+    tables, more keys than queries."""
+    if terms.c2p is not None or terms.p2c is not None:
+        raise ValueError(f"attention_kernel={kernel!r} takes DeBERTa's projected tables (ScoreTerms.pos_key / "
+                         "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
+    length = terms.q.shape[-2]
+    if terms.k.shape[-2] != length:
+        raise ValueError(f"attention_kernel={kernel!r} is self-attention: {length} queries but {terms.k.shape[-2]} "
+                         "keys")
+    relative = terms.relative is not None
+    dropout = dropout_key is not None and dropout_rate > 0
+    return KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,
+                       relative and terms.pos_query is not None, terms.bias is not None,
+                       float(dropout_rate) if dropout else 0.0, temperature=terms.temperature is not None,
+                       window=terms.window if terms.window < length else 0)
+
+
 def take(items: list, *on) -> list:
     """The next items of `items` (consumed), one for each flag that is on, None for each that is off: a kernel's
     refs and outputs, whose optional ones exist only when their option is on."""

@@ -15,13 +15,8 @@ from deberta_jax.kernels.pallas_tpu import pallas_tpu_attention
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms
 from deberta_jax.model import positions
 
-
-@pytest.fixture(autouse=True)
-def no_persistent_cache():
-    """The suite's persistent compilation cache cannot hold executables for devices this process lacks."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
+# Compiled for devices this process lacks: kept out of the suite's persistent compilation cache.
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 
 @functools.cache
