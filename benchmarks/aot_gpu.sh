@@ -62,7 +62,7 @@ for target in $TARGETS; do
 done
 # Every row in $OUT (this run's and earlier ones'), not only this run's, makes the table.
 rows=()
-for f in "$OUT"/*.md; do [ "$(basename "$f")" = table.md ] || rows+=("$f"); done
+for f in "$OUT"/*-*.md; do rows+=("$f"); done  # the rows, not table.md or README.md
 { "$PY" -c "from deberta_jax.aot.text import GPU_MARKDOWN_HEADER; print(GPU_MARKDOWN_HEADER)"; cat "${rows[@]}"; } \
   > "$OUT/table.md.tmp"
 mv "$OUT/table.md.tmp" "$OUT/table.md"
