@@ -29,6 +29,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_and_wait(command: list[str], ready_url: str, name: str, timeout_s: float) -> subprocess.Popen:
+    """Starts a server the suite runs on this machine (`command`) and returns once `ready_url` answers; a server that
+    exits or does not answer in `timeout_s` is an error naming it."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(ready_url, timeout=1)
+            return process
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"{name} did not start on {ready_url}") from None
+            time.sleep(0.1)
+
+
 class GcsServer:
     """fake-gcs-server over `root`; `environment` is what a process needs to talk to it."""
 
@@ -47,20 +62,12 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
+        self.process = start_and_wait(
             [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
              "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port", str(self.port),
              "-external-url", self.url, "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1)
-                return self
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"fake-gcs-server did not start on {self.url}") from None
-                time.sleep(0.1)
+            f"{self.url}/storage/v1/b", "fake-gcs-server", timeout_s=20)
+        return self
 
     def make_bucket(self, name: str) -> str:
         """Creates bucket `name`; returns `gs://name`."""

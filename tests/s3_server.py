@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import urllib.request
 
-from tests.gcs_server import free_port
+from tests.gcs_server import free_port, start_and_wait
 
 
 class S3Server:
@@ -32,17 +31,9 @@ class S3Server:
                 "AWS_DEFAULT_REGION": "us-east-1"}
 
     def start(self) -> S3Server:
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1)
-                return self
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"moto's S3 server did not start on {self.url}") from None
-                time.sleep(0.1)
+        self.process = start_and_wait([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                      f"{self.url}/moto-api/", "moto's S3 server", timeout_s=30)
+        return self
 
     def make_bucket(self, name: str) -> str:
         """Creates bucket `name`; returns `s3://name`."""
