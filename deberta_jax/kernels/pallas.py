@@ -22,8 +22,8 @@ kernel writes each token's score gradient per distance only for the distances ne
 terms. XLA then multiplies them by the table rows of the band's distances (the side's gradient) and by the tokens,
 adding the distances that read the same row (the table's). A T5 bias's gradient is the same per-distance
 gradient summed over the queries (`ScoreTerms.bias_index` says where its buckets saturate); ALiBi's bias is a
-constant and gets none. The per-distance buffers are `[B, H, N, W]` in the inputs' dtype for the W distances
-before saturation (DeBERTa-base's 256 buckets reach 511 each way, so W = 1,021): linear in length with the
+constant and gets none. The per-distance buffers are `[H, B, N, W]` in the inputs' dtype for the W distances
+before saturation (DeBERTa-base's 256 buckets saturate at 506 each way, so W = 1,011): linear in length with the
 published tables, quadratic with a table grown to the sequence.
 
 Attention dropout is drawn in the tile from hashes of its query and key positions (`dropout_masks.attention_keep`,
