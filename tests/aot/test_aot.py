@@ -80,13 +80,7 @@ def test_micro_train_step_fits_and_reports_the_executables_memory(v5e_2x2, monke
     by_hand = run.train_step.lower(state, run_programs.abstract_batch(16, 32, run.batch_sharding))
     assert by_hand.as_text() == kept["train step"].lowered.as_text()
     compiled = kept["train step"].compiled
-    memory = compiled.memory_analysis()
-    assert train.cost.temp_bytes == memory.temp_size_in_bytes
-    assert train.cost.argument_bytes == memory.argument_size_in_bytes
-    assert train.cost.alias_bytes == memory.alias_size_in_bytes > 0  # the state is donated
-    assert train.cost.hbm_bytes == (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                    - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-                                    + memory.generated_code_size_in_bytes)
+    assert_memory_is_the_executables(train.cost, compiled)
     assert train.cost.flops == compiled.cost_analysis()["flops"]
     # FSDP: the parameters are all-gathered and the gradients reduce-scattered inside the step.
     assert train.cost.collective_bytes > 0
@@ -210,3 +204,14 @@ def test_length_forward_compiles_with_the_tpu_kernel_under_every_length_method(v
     assert nothing.cost is None and "has nothing to act on" in nothing.error
     with pytest.raises(ValueError, match="length methods \\['far'\\] are unknown"):
         build.compile_run(config, v5e_2x2, programs=["length"], length_methods=["far"])
+
+
+def assert_memory_is_the_executables(cost, compiled):
+    """A report's memory figures are the compiled executable's own, its donated state counted once."""
+    memory = compiled.memory_analysis()
+    assert cost.temp_bytes == memory.temp_size_in_bytes
+    assert cost.argument_bytes == memory.argument_size_in_bytes
+    assert cost.alias_bytes == memory.alias_size_in_bytes > 0  # the state is donated
+    assert cost.hbm_bytes == (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                              - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+                              + memory.generated_code_size_in_bytes)

@@ -17,6 +17,7 @@ from deberta_jax.aot.chips import GIB, GPUS, TopologyError
 from deberta_jax.model.config import ConfigError
 from deberta_jax.train import programs as run_programs
 from deberta_jax.train import sharding
+from tests.aot.test_aot import assert_memory_is_the_executables
 from tests.helpers import REPO
 
 
@@ -138,13 +139,7 @@ def test_micro_train_step_compiles_for_h100_with_the_executables_memory(micro_tr
     state = run_programs.abstract_with_sharding(run.abstract_state, run.state_sharding)
     by_hand = run.train_step.lower(state, run_programs.abstract_batch(8, 32, run.batch_sharding))
     assert by_hand.as_text() == kept.lowered.as_text()
-    memory = kept.compiled.memory_analysis()
-    assert train.cost.temp_bytes == memory.temp_size_in_bytes
-    assert train.cost.argument_bytes == memory.argument_size_in_bytes
-    assert train.cost.alias_bytes == memory.alias_size_in_bytes > 0  # the state is donated
-    assert train.cost.hbm_bytes == (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                    - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-                                    + memory.generated_code_size_in_bytes)
+    assert_memory_is_the_executables(train.cost, kept.compiled)
     assert '"__triton' in kept.compiled.as_text()  # XLA's GPU pipeline: matmuls and reductions as Triton fusions
     # No cost analysis on GPU: the compute bound is the model's FLOPs, the memory bound unknown, no MFU ceiling.
     assert kept.compiled.cost_analysis() is None
