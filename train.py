@@ -36,7 +36,7 @@ from ml_collections import config_dict, config_flags
 from tqdm import tqdm
 
 from deberta_jax import storage
-from deberta_jax.data import batches, errors, library_logs, packing, synthetic
+from deberta_jax.data import batches, errors, library_logs, packing, row_lengths, synthetic
 from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
@@ -175,8 +175,8 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
 
 
 def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
-    """The packed training rows and this process's eval batches (empty without eval files); refuses eval text that
-    yields no masked target, whose loss would be undefined."""
+    """The training phases' rows (the long phase None without `train.long_steps`) and this process's eval batches
+    (empty without eval files); refuses eval text that yields no masked target, whose loss would be undefined."""
     seq_len, train_cfg = config.data.seq_len, config.train
     train_data = packing.load_or_pack(config.data.train_files, tokenizer, seq_len, config.data.cache_dir)
     evals = []
@@ -191,7 +191,15 @@ def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
             "the eval loss would be undefined. Give more evaluation text, or set config.data.eval_files='' to "
             "train without evaluation.")
     logging.info("train: %d rows of %d tokens; eval: %d batches", train_data.num_rows, seq_len, len(evals))
-    return train_data, evals
+    short, long = row_lengths.Phase(train_data, train_cfg.batch_size), None
+    if train_cfg.long_steps:  # the same token stream, cut into longer rows (the cache holds only the stream)
+        long_len = config.data.long_seq_len
+        long = row_lengths.Phase(packing.load_or_pack(config.data.train_files, tokenizer, long_len,
+                                                      config.data.cache_dir),
+                                 row_lengths.long_batch_size(train_cfg.batch_size, seq_len, long_len))
+        logging.info("the last %d steps train on %d rows of %d tokens", train_cfg.long_steps, long.batch_size,
+                     long_len)
+    return short, long, evals
 
 
 def resume_or_initialize(workdir: storage.AnyPath, run: config_dict.ConfigDict, programs, keep: int):
@@ -254,7 +262,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     run.data[VOCAB_REQUEST] = config.model.vocab_size if trains_tokenizer else None
     masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                             config.data.mask_prob, config.data.whole_word_masking)
-    train_data, evals = prepare_data(config, tokenizer, masker.special)
+    short_phase, long_phase, evals = prepare_data(config, tokenizer, masker.special)
 
     # ------------------------------------------------------------------ model, optimizer, sharding, steps
     programs = run_programs.build(config, model_config, mesh)
@@ -285,20 +293,24 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
         check_steps(pending, "no checkpoint was saved before it" if latest is None else
                     f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
 
+    previous_phase = None
     watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
     failed = False
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
+            phase = row_lengths.phase_at(step - 1, train_cfg.num_steps, train_cfg.long_steps, short_phase, long_phase)
             rows = batches.train_batch(
-                train_data, masker, batch_size=train_cfg.batch_size, step=step - 1, seed=config.seed,
-                process_index=jax.process_index(), process_count=jax.process_count())
+                phase.rows, masker, batch_size=phase.batch_size, step=step - 1, seed=config.seed,
+                process_index=jax.process_index(), process_count=jax.process_count(),
+                min_row_length=config.data.min_row_length)
             state, metrics = train_step(state, sharding.global_batch(rows, programs.batch_sharding))
             pending.append((step, metrics))
             timer_steps += 1
             bar.update()
-            if step == start_step + 1:  # exclude compilation from tokens/s
+            if phase is not previous_phase:  # the first step of each shape compiles: not counted in tokens/s
                 jax.block_until_ready(metrics)
                 timer_start, timer_steps = time.perf_counter(), 0
+            previous_phase = phase
 
             preempted = watch.reached(step)  # the same step on every process
             final, stopping = step == train_cfg.num_steps, step == last_step or preempted

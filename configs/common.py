@@ -64,6 +64,10 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
     config.data.cache_dir = ".cache/packed"  # packed-token cache, shared between runs
     config.data.seq_len = config_dict.FieldReference(preset["seq_len"])
     config.data.mask_prob = 0.15
+    # Training-side length recipes (deberta_jax.data.row_lengths): rows cut to random lengths from min_row_length
+    # up (0: every row full), and rows of long_seq_len tokens for the last train.long_steps updates (0: none).
+    config.data.min_row_length = 0
+    config.data.long_seq_len = 0
     config.data.whole_word_masking = False
 
     model = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name != "trained_length"}
@@ -82,6 +86,7 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
     config.train.grad_accum_steps = 1
     config.train.learning_rate = preset["learning_rate"]
     config.train.warmup_steps = preset["warmup_steps"]
+    config.train.long_steps = 0  # the last updates, trained on rows of data.long_seq_len (short-then-long)
     config.train.schedule = "linear"  # decay after warmup: "linear" or "cosine", to 0 at num_steps
     # AdamW as in RoBERTa/DeBERTa (b2=0.98, eps=1e-6 are steadier than BERT's 0.999/1e-8 for post-LN).
     config.train.weight_decay = 0.01

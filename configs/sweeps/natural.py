@@ -56,9 +56,13 @@ SEED_NAMES = ("bert", "nope")
 FLAT_NAMES = ("deberta-emd", "rope", "t5-bias")
 # The published DeBERTa-v3 relative table, whatever the training length.
 V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
-ARGS = ("", "core", "seeds", "flat", "far", "scale", "smoke")
+ARGS = ("", "core", "seeds", "flat", "far", "scale", "past", "smoke")
 FAR_MULTIPLES = [1, 2, 4, 8, 16, 32]
 _LEARNED = dict(attention_temperature="learned")
+# Training-side recipes past the window (`deberta_jax.data.row_lengths`): the last 10% of the updates on rows 4x
+# the training length (the same tokens per step), or rows cut to 16-64 tokens throughout.
+PAST_LONG = dict(train=dict(long_steps=1_000), data=dict(long_seq_len=256))
+PAST_MIXED = dict(data=dict(min_row_length=16))
 # The second scale: twice the layers at twice the training length, half the steps (the same tokens).
 SCALE_MODEL = dict(num_layers=4)
 SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES = 128, 5_000, [1, 2, 4, 8, 16]
@@ -67,7 +71,8 @@ TITLES = {"": "BERT past the unigram plateau on natural text",
           "seeds": "How often BERT learns its positions: five seeds of BERT and NoPE, natural-text recipe",
           "flat": "Keeping DeBERTa flat past the training length: length methods and v3 buckets, natural-text recipe",
           "far": "How far the length methods reach, and a learned temperature: to 32x, natural-text recipe",
-          "scale": "Keeping DeBERTa flat at a second scale: 4 x 128 trained at length 128, natural-text recipe"}
+          "scale": "Keeping DeBERTa flat at a second scale: 4 x 128 trained at length 128, natural-text recipe",
+          "past": "Past the window: training-side recipes for a DeBERTa that uses more keys than it trained on"}
 
 
 def recipe() -> dict:
@@ -90,6 +95,10 @@ def _variants(arg: str) -> list:
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant(f"{v.name}-learned", v.config, **v.overrides.model, **_LEARNED)
                          for v in chosen if v.name != "t5-bias"]
+    if arg == "past":
+        return [variants.variant("deberta-emd-long256", variants.DEBERTA, **PAST_LONG),
+                variants.variant("deberta-emd-learned-long256", variants.DEBERTA, **PAST_LONG, **_LEARNED),
+                variants.variant("deberta-emd-learned-mixed16", variants.DEBERTA, **PAST_MIXED, **_LEARNED)]
     if arg == "flat":
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
@@ -104,7 +113,7 @@ def get_config(arg: str = ""):
     sweep.title = TITLES.get(arg, TITLES[""])
     scale = arg == "scale"
     layers, seq_len, steps = (SCALE_MODEL["num_layers"], SCALE_SEQ_LEN, SCALE_STEPS) if scale else (2, 64, 10_000)
-    multiples = SCALE_MULTIPLES if scale else FAR_MULTIPLES if arg == "far" else [1, 2, 4, 8]
+    multiples = SCALE_MULTIPLES if scale else FAR_MULTIPLES if arg in ("far", "past") else [1, 2, 4, 8]
     sweep.description = (
         f"Masked-LM encoders ({layers} x 128, 4 heads, vocab 4096) trained at length {seq_len} on Brown train for "
         f"{steps:,} steps of 32 sequences (learning rate 2e-3, no dropout, 30% masking), the same batches for every "
@@ -118,7 +127,10 @@ def get_config(arg: str = ""):
            f"by log(keys seen) / log({seq_len}) past {seq_len} keys, `window` lets each query attend to the "
            f"{seq_len} positions around it, `window_global` also to its row's [CLS] and closing [SEP], "
            f"`interpolate_distances` multiplies relative distances by {seq_len} / N; `-learned` runs trained a "
-           "slope per head times log(keys seen) into every score." if arg in ("seeds", "flat", "far", "scale") else ""))
+           "slope per head times log(keys seen) into every score." if arg in ("seeds", "flat", "far", "scale", "past")
+           else "")
+        + (" `-long256` runs trained their last 1,000 steps on 8 rows of 256 tokens (the same tokens per step); "
+           "`-mixed16` runs trained on rows cut to a random length of 16-64 tokens." if arg == "past" else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = _variants(arg)
@@ -131,10 +143,11 @@ def get_config(arg: str = ""):
     overrides["data"].update(train_files=data + "/brown/train.txt", eval_files=data + "/brown/valid.txt")
     sweep.common_overrides = config_dict.ConfigDict(overrides)
     sweep.workdir_root = "runs/natural-scale" if scale else "runs/natural"
-    sweep.report_dir = "results/natural" + (f"-{arg}" if arg in ("core", "seeds", "flat", "far", "scale") else "")
+    sweep.report_dir = "results/natural" + (f"-{arg}" if arg in ("core", "seeds", "flat", "far", "scale", "past") else "")
     sweep.table_policy = "clip"
     methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"],
-               "far": ["log_length", "window", "window_global"], "scale": ["log_length", "window", "window_global"]}
+               "far": ["log_length", "window", "window_global"], "scale": ["log_length", "window", "window_global"],
+               "past": ["log_length", "window", "window_global"]}
     sweep.eval = variants.eval_settings(
         {"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
         multiples=multiples, methods=methods.get(arg, methods["flat"] if arg == "smoke" else []))

@@ -12,9 +12,11 @@ DEBERTA, BERT = "configs/deberta.py:tiny", "configs/bert.py:tiny"
 _EMD = dict(use_emd=True)
 
 
-def variant(name, config, **model):
-    """A run family: a model-family config plus `config.model` overrides."""
-    return config_dict.ConfigDict(dict(name=name, config=config, overrides=dict(model=model)))
+def variant(name, config, *, train=None, data=None, **model):
+    """A run family: a model-family config plus `config.model` overrides, and `config.train` / `config.data`
+    overrides for recipes that change how it trains."""
+    overrides = dict(model=model, **{k: v for k, v in dict(train=train, data=data).items() if v})
+    return config_dict.ConfigDict(dict(name=name, config=config, overrides=overrides))
 
 
 def core():

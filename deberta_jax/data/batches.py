@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from deberta_jax.data import packing, targets
+from deberta_jax.data import packing, row_lengths, targets
 from deberta_jax.data.masking import mask_tokens, masking_rngs
 from deberta_jax.data.tokenizer import SpecialIds
 
@@ -43,11 +43,15 @@ class Masker:
 
 
 def train_batch(packed: packing.PackedData, masker: Masker, *, batch_size: int, step: int, seed: int,
-                process_index: int, process_count: int) -> Batch:
+                process_index: int, process_count: int, min_row_length: int = 0) -> Batch:
     """This process's share of global training batch `step`, masked: its rows are the same, and masked
-    the same, as those rows of the batch a single process builds."""
+    the same, as those rows of the batch a single process builds. With `min_row_length` each row is first cut
+    to a length drawn from `[min_row_length, seq_len]` (`row_lengths`)."""
     rows = packing.get_batch(packed, batch_size, step, seed, process_index, process_count)
     global_rows = packing.process_share(np.arange(batch_size), process_index, process_count)
+    if min_row_length:
+        lengths = row_lengths.mixed_lengths(seed, step, global_rows, min_row_length, packed.seq_len)
+        rows = row_lengths.cut_short(rows, lengths, masker.special)
     return masker(rows, masking_rngs(seed, step, global_rows))
 
 

@@ -80,6 +80,9 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
     _require_number(config, "data.mask_prob", 0.0, 1.0, low_open=True)
     _require(isinstance(config.data.whole_word_masking, bool), "data.whole_word_masking",
              config.data.whole_word_masking, "must be True or False")
+    min_row = config.data.min_row_length
+    _require(min_row == 0 or (_is_int(min_row) and low <= min_row <= seq_len), "data.min_row_length", min_row,
+             f"must be 0 (every row full) or a length in [{low}, data.seq_len={seq_len}]")
 
     # ---- mesh
     _require_int(config, "mesh.fsdp", 1)
@@ -102,6 +105,7 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
              f"exceeds config.model.max_position_embeddings={table}, {what}; raise max_position_embeddings "
              f"to at least {seq_len} or shorten seq_len")
     model_config = dataclasses.replace(model_config, trained_length=seq_len)
+    _check_long_phase(config, num_devices, table, what)
     _require(model_config.attention_kernel != "cudnn" or model_config.attention_dropout == 0,
              "model.attention_kernel", model_config.attention_kernel, "has no attention dropout (cuDNN's kernel "
              f"through jax.nn.dot_product_attention), and model.attention_dropout={model_config.attention_dropout}; "
@@ -131,6 +135,30 @@ def validate(config: config_dict.ConfigDict, num_devices: int) -> ModelConfig:
     _require_number(config, train + "eps", 0.0, math.inf, low_open=True)
     _require_number(config, train + "grad_clip_norm", 0.0, math.inf, low_open=True)
     return model_config
+
+
+def _check_long_phase(config: config_dict.ConfigDict, num_devices: int, table: int, what: str) -> None:
+    """Short-then-long (`row_lengths`): the long rows fit the model and split into whole batches of the same
+    tokens; a long length without long steps would silently do nothing."""
+    long_steps, long_len, seq_len = config.train.long_steps, config.data.long_seq_len, config.data.seq_len
+    _require_int(config, "train.long_steps", 0)
+    _require(long_steps <= config.train.num_steps, "train.long_steps", long_steps,
+             f"exceeds config.train.num_steps={config.train.num_steps}; the long phase is the run's last steps")
+    if not long_steps:
+        _require(long_len == 0, "data.long_seq_len", long_len,
+                 "is set but config.train.long_steps=0, so no step would use it; set train.long_steps (the last "
+                 "updates, trained on rows of long_seq_len) or leave long_seq_len at 0")
+        return
+    _require(_is_int(long_len) and seq_len < long_len <= min(table, packing.MAX_SEQ_LEN), "data.long_seq_len",
+             long_len, f"must be an integer above data.seq_len={seq_len} for config.train.long_steps={long_steps}, "
+             f"at most {min(table, packing.MAX_SEQ_LEN)} ({what})")
+    tokens = config.train.batch_size * seq_len
+    rows = tokens // long_len
+    unit = num_devices * config.train.grad_accum_steps
+    _require(tokens % long_len == 0 and rows % unit == 0, "data.long_seq_len", long_len,
+             f"must divide the {tokens} tokens of a step (train.batch_size x data.seq_len) into a number of rows "
+             f"divisible by {unit} (devices x accumulation steps), so the long phase trains on the same tokens per "
+             "step; e.g. 2, 4 or 8 times data.seq_len")
 
 
 def resolved(config: config_dict.ConfigDict, model_config: ModelConfig) -> config_dict.ConfigDict:
