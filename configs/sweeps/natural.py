@@ -43,6 +43,15 @@ keeps each row's [CLS] and closing [SEP] visible to every query. Its report goes
 steps of 32 x 128 (the same 20M tokens as the recipe above, the rest of the recipe unchanged), relative-only
 DeBERTa, RoPE and T5 bias at two seeds, scored to 16x (2,048 tokens) as trained, with the log-length temperature and
 with the window. About two hours of one CPU core per run; runs/natural-scale, report to results/natural-scale.
+
+`:past` asks whether training, rather than evaluation, can make DeBERTa *use* keys past the training length instead
+of only surviving them (the window is flat because it never looks past L): relative-only DeBERTa trained with the
+training-side length recipes of `deberta_jax.data.row_lengths`, the rest of the recipe unchanged, two seeds, scored
+to 32x as `:far` scores: `-long256` trains its last 1,000 of the 10,000 steps on 8 rows of 256 tokens (the same
+tokens per step; short-then-long), `-learned-long256` does so with the learned temperature, whose slope over
+log(keys) the two lengths make identifiable, and `-learned-mixed16` trains the learned temperature on rows cut to
+16-64 tokens (the key count varies inside the training length). Its runs share runs/natural with `:far`, whose
+`deberta-emd` and `deberta-emd-learned` are the baselines; its report goes to results/natural-past.
 """
 
 from ml_collections import config_dict
@@ -143,7 +152,7 @@ def get_config(arg: str = ""):
     overrides["data"].update(train_files=data + "/brown/train.txt", eval_files=data + "/brown/valid.txt")
     sweep.common_overrides = config_dict.ConfigDict(overrides)
     sweep.workdir_root = "runs/natural-scale" if scale else "runs/natural"
-    sweep.report_dir = "results/natural" + (f"-{arg}" if arg in ("core", "seeds", "flat", "far", "scale", "past") else "")
+    sweep.report_dir = "results/natural" + (f"-{arg}" if arg not in ("", "smoke") else "")
     sweep.table_policy = "clip"
     methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"],
                "far": ["log_length", "window", "window_global"], "scale": ["log_length", "window", "window_global"],

@@ -80,6 +80,11 @@ BAD_VALUES = [
     ("train.grad_clip_norm", 0.0, "config.train.grad_clip_norm=0.0"),
     ("train.eval_batches", 0, "config.train.eval_batches=0"),
     ("train.keep_checkpoints", 0, "config.train.keep_checkpoints=0"),
+    ("data.min_row_length", 4, "config.data.min_row_length=4 must be 0 (every row full) or a length in [8, "),
+    ("data.min_row_length", 33, "config.data.min_row_length=33 must be 0"),
+    ("data.long_seq_len", 64, "config.data.long_seq_len=64 is set but config.train.long_steps=0"),
+    ("train.long_steps", 101, "config.train.long_steps=101 exceeds config.train.num_steps=100"),
+    ("train.long_steps", -1, "config.train.long_steps=-1 must be an integer >= 0"),
 ]
 
 
@@ -103,6 +108,21 @@ def test_batch_not_divisible_by_devices():
         validate(config, num_devices=2)
     config.train.grad_accum_steps = 4
     validate(config, num_devices=8)
+
+
+def test_a_long_phase_needs_longer_rows_of_the_same_tokens():
+    config = bert.get_config("micro")  # 8 rows of 32 tokens, an absolute table of 512
+    config.train.long_steps = 10
+    for long_len, problem in [(0, "must be an integer above data.seq_len=32"),
+                              (1024, r"must be .*, at most 512 \(the size of the model.s absolute position table\)"),
+                              (96, "must divide the 256 tokens of a step")]:
+        config.data.long_seq_len = long_len
+        with pytest.raises(ConfigError, match=f"^config.data.long_seq_len={long_len} {problem}"):
+            validate(config, num_devices=1)
+    config.data.long_seq_len = 128  # 2 rows: not a whole share of 4 devices
+    with pytest.raises(ConfigError, match="divisible by 4 "):
+        validate(config, num_devices=4)
+    validate(config, num_devices=2)
 
 
 def test_seq_len_longer_than_absolute_table():
@@ -143,7 +163,7 @@ def _variant_config(plan, variant):
     return config
 
 
-@pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "smoke"])
+@pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "past", "smoke"])
 def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
     from configs.sweeps import natural, variants
@@ -156,13 +176,21 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         validate(config, num_devices=1)
         resolved[variant.name] = config
     expected = {"core": [v.name for v in variants.core()], "seeds": natural.SEED_NAMES,
-                "flat": [*natural.FLAT_NAMES, "deberta-emd-b256"]}.get(arg, natural.NAMES)
+                "flat": [*natural.FLAT_NAMES, "deberta-emd-b256"],
+                "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16"],
+                }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
         v3 = resolved["deberta-emd-b256"]
         assert (v3.model.position_buckets, v3.model.max_relative_positions, v3.data.seq_len) == (256, 512, 64)
     assert sweep.study_settings(plan).methods == tuple(plan.eval.methods)
-    recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout, c.train.to_dict())
+    if arg == "past":  # the length recipes are the only differences from the others' recipe
+        lengths = {name: (c.train.long_steps, c.data.long_seq_len, c.data.min_row_length, c.data.seq_len)
+                   for name, c in resolved.items()}
+        assert lengths == {"deberta-emd-long256": (1000, 256, 0, 64), "deberta-emd-learned-long256": (1000, 256, 0, 64),
+                           "deberta-emd-learned-mixed16": (0, 0, 16, 64)}
+    recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
+                      {k: v for k, v in c.train.to_dict().items() if k != "long_steps"})
                for name, c in resolved.items()}
     assert len(set(map(repr, recipes.values()))) == 1  # one recipe for all
     if arg != "smoke":

@@ -79,6 +79,23 @@ def test_resume_equals_straight_run(corpus, straight_run, tmp_path):
     assert sorted(train_losses(tmp_path)) == list(range(1, STEPS + 1))  # no step logged twice
 
 
+def test_a_long_final_phase_trains_only_its_steps_on_long_rows_and_resumes_exactly(corpus, straight_run, tmp_path):
+    """Short-then-long: the steps before the phase are the plain run's, the phase's differ, and a run stopped
+    inside the phase resumes to the uninterrupted run's parameters and losses."""
+    config = micro_config(corpus, long_steps=3)
+    config.data.long_seq_len = 64  # 4 rows of 64 tokens instead of 8 of 32
+    train.train_and_evaluate(config, tmp_path / "straight")
+    train.train_and_evaluate(config, tmp_path / "resumed", stop_at_step=STEPS - 1)
+    train.train_and_evaluate(config, tmp_path / "resumed")
+    jax.tree.map(np.testing.assert_array_equal, restore_params(tmp_path / "resumed"),
+                 restore_params(tmp_path / "straight"))
+    long, plain = train_losses(tmp_path / "straight"), train_losses(straight_run)
+    assert train_losses(tmp_path / "resumed") == long
+    first_long = STEPS - 3 + 1
+    assert [long[s] for s in range(1, first_long)] == [plain[s] for s in range(1, first_long)]
+    assert all(long[s] != plain[s] for s in range(first_long, STEPS + 1))
+
+
 def test_eight_devices_match_one(corpus, straight_run, tmp_path):
     """Same global batch split over 8 fake CPU devices: same losses and parameters to float tolerance."""
     flags = [f"--config.{k}={v}" for k, v in overrides(corpus).items()]
