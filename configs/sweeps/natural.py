@@ -51,7 +51,9 @@ to 32x as `:far` scores: `-long256` trains its last 1,000 of the 10,000 steps on
 tokens per step; short-then-long), `-learned-long256` does so with the learned temperature, whose slope over
 log(keys) the two lengths make identifiable, and `-learned-mixed16` trains the learned temperature on rows cut to
 16-64 tokens (the key count varies inside the training length). Its runs share runs/natural with `:far`, whose
-`deberta-emd` and `deberta-emd-learned` are the baselines; its report goes to results/natural-past.
+`deberta-emd` and `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is
+the same three recipes at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or rows
+of 32-128), scored to 16x, in runs/natural-scale beside `:scale`'s baseline; report to results/natural-past-scale.
 """
 
 from ml_collections import config_dict
@@ -65,13 +67,9 @@ SEED_NAMES = ("bert", "nope")
 FLAT_NAMES = ("deberta-emd", "rope", "t5-bias")
 # The published DeBERTa-v3 relative table, whatever the training length.
 V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
-ARGS = ("", "core", "seeds", "flat", "far", "scale", "past", "smoke")
+ARGS = ("", "core", "seeds", "flat", "far", "scale", "past", "past-scale", "smoke")
 FAR_MULTIPLES = [1, 2, 4, 8, 16, 32]
 _LEARNED = dict(attention_temperature="learned")
-# Training-side recipes past the window (`deberta_jax.data.row_lengths`): the last 10% of the updates on rows 4x
-# the training length (the same tokens per step), or rows cut to 16-64 tokens throughout.
-PAST_LONG = dict(train=dict(long_steps=1_000), data=dict(long_seq_len=256))
-PAST_MIXED = dict(data=dict(min_row_length=16))
 # The second scale: twice the layers at twice the training length, half the steps (the same tokens).
 SCALE_MODEL = dict(num_layers=4)
 SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES = 128, 5_000, [1, 2, 4, 8, 16]
@@ -81,7 +79,8 @@ TITLES = {"": "BERT past the unigram plateau on natural text",
           "flat": "Keeping DeBERTa flat past the training length: length methods and v3 buckets, natural-text recipe",
           "far": "How far the length methods reach, and a learned temperature: to 32x, natural-text recipe",
           "scale": "Keeping DeBERTa flat at a second scale: 4 x 128 trained at length 128, natural-text recipe",
-          "past": "Past the window: training-side recipes for a DeBERTa that uses more keys than it trained on"}
+          "past": "Past the window: training-side recipes for a DeBERTa that uses more keys than it trained on",
+          "past-scale": "Past the window at a second scale: training-side recipes, 4 x 128 trained at length 128"}
 
 
 def recipe() -> dict:
@@ -104,14 +103,23 @@ def _variants(arg: str) -> list:
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant(f"{v.name}-learned", v.config, **v.overrides.model, **_LEARNED)
                          for v in chosen if v.name != "t5-bias"]
-    if arg == "past":
-        return [variants.variant("deberta-emd-long256", variants.DEBERTA, **PAST_LONG),
-                variants.variant("deberta-emd-learned-long256", variants.DEBERTA, **PAST_LONG, **_LEARNED),
-                variants.variant("deberta-emd-learned-mixed16", variants.DEBERTA, **PAST_MIXED, **_LEARNED)]
+    if arg in ("past", "past-scale"):
+        return past_variants(*((SCALE_SEQ_LEN, SCALE_STEPS) if arg == "past-scale" else (64, 10_000)))
     if arg == "flat":
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
     return [v for v in variants.core() if v.name in NAMES]
+
+
+def past_variants(seq_len: int, steps: int) -> list:
+    """The training-side recipes past the window (`deberta_jax.data.row_lengths`) for runs of `steps` at `seq_len`:
+    the last 10% of the updates on rows 4x the training length (the same tokens per step), with and without the
+    learned temperature, and the learned temperature on rows cut to L/4-L tokens throughout."""
+    long = dict(train=dict(long_steps=steps // 10), data=dict(long_seq_len=4 * seq_len))
+    mixed = dict(data=dict(min_row_length=seq_len // 4))
+    return [variants.variant(f"deberta-emd-long{4 * seq_len}", variants.DEBERTA, **long),
+            variants.variant(f"deberta-emd-learned-long{4 * seq_len}", variants.DEBERTA, **long, **_LEARNED),
+            variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED)]
 
 
 def get_config(arg: str = ""):
@@ -120,7 +128,7 @@ def get_config(arg: str = ""):
     seeds = {"core": [0], "seeds": [0, 1, 2, 3, 4]}.get(arg, [0, 1])
     sweep = config_dict.ConfigDict()
     sweep.title = TITLES.get(arg, TITLES[""])
-    scale = arg == "scale"
+    scale = arg in ("scale", "past-scale")
     layers, seq_len, steps = (SCALE_MODEL["num_layers"], SCALE_SEQ_LEN, SCALE_STEPS) if scale else (2, 64, 10_000)
     multiples = SCALE_MULTIPLES if scale else FAR_MULTIPLES if arg in ("far", "past") else [1, 2, 4, 8]
     sweep.description = (
@@ -136,10 +144,10 @@ def get_config(arg: str = ""):
            f"by log(keys seen) / log({seq_len}) past {seq_len} keys, `window` lets each query attend to the "
            f"{seq_len} positions around it, `window_global` also to its row's [CLS] and closing [SEP], "
            f"`interpolate_distances` multiplies relative distances by {seq_len} / N; `-learned` runs trained a "
-           "slope per head times log(keys seen) into every score." if arg in ("seeds", "flat", "far", "scale", "past")
-           else "")
-        + (" `-long256` runs trained their last 1,000 steps on 8 rows of 256 tokens (the same tokens per step); "
-           "`-mixed16` runs trained on rows cut to a random length of 16-64 tokens." if arg == "past" else ""))
+           "slope per head times log(keys seen) into every score." if arg not in ("", "core", "smoke") else "")
+        + (f" `-long{4 * seq_len}` runs trained their last {steps // 10:,} steps on {32 // 4} rows of {4 * seq_len} "
+           f"tokens (the same tokens per step); `-mixed{seq_len // 4}` runs trained on rows cut to a random length of "
+           f"{seq_len // 4}-{seq_len} tokens." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = _variants(arg)
@@ -154,9 +162,9 @@ def get_config(arg: str = ""):
     sweep.workdir_root = "runs/natural-scale" if scale else "runs/natural"
     sweep.report_dir = "results/natural" + (f"-{arg}" if arg not in ("", "smoke") else "")
     sweep.table_policy = "clip"
+    far = ["log_length", "window", "window_global"]
     methods = {"seeds": ["log_length", "window"], "flat": ["log_length", "window", "interpolate_distances"],
-               "far": ["log_length", "window", "window_global"], "scale": ["log_length", "window", "window_global"],
-               "past": ["log_length", "window", "window_global"]}
+               "far": far, "scale": far, "past": far, "past-scale": far}
     sweep.eval = variants.eval_settings(
         {"brown/valid": data + "/brown/valid.txt", "wikitext-2/test": data + "/wikitext-2/test.txt"},
         multiples=multiples, methods=methods.get(arg, methods["flat"] if arg == "smoke" else []))

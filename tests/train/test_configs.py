@@ -163,7 +163,7 @@ def _variant_config(plan, variant):
     return config
 
 
-@pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "past", "smoke"])
+@pytest.mark.parametrize("arg", ["", "core", "seeds", "flat", "past", "past-scale", "smoke"])
 def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     """The recipe that moves BERT off the plateau is recorded in the config and shared by every variant."""
     from configs.sweeps import natural, variants
@@ -178,17 +178,19 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     expected = {"core": [v.name for v in variants.core()], "seeds": natural.SEED_NAMES,
                 "flat": [*natural.FLAT_NAMES, "deberta-emd-b256"],
                 "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16"],
+                "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
         v3 = resolved["deberta-emd-b256"]
         assert (v3.model.position_buckets, v3.model.max_relative_positions, v3.data.seq_len) == (256, 512, 64)
     assert sweep.study_settings(plan).methods == tuple(plan.eval.methods)
-    if arg == "past":  # the length recipes are the only differences from the others' recipe
+    if arg.startswith("past"):  # the length recipes are the only differences from the others' recipe
         lengths = {name: (c.train.long_steps, c.data.long_seq_len, c.data.min_row_length, c.data.seq_len)
                    for name, c in resolved.items()}
-        assert lengths == {"deberta-emd-long256": (1000, 256, 0, 64), "deberta-emd-learned-long256": (1000, 256, 0, 64),
-                           "deberta-emd-learned-mixed16": (0, 0, 16, 64)}
+        long, mixed = ((500, 512, 0, 128), (0, 0, 32, 128)) if arg == "past-scale" else ((1000, 256, 0, 64),
+                                                                                          (0, 0, 16, 64))
+        assert sorted(lengths.values()) == sorted([long, long, mixed])
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
                       {k: v for k, v in c.train.to_dict().items() if k != "long_steps"})
                for name, c in resolved.items()}
