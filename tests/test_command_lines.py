@@ -69,6 +69,8 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
             (["--multiples="], "eval.py: multiples: none given, so there is no length to score"),
             (["--max_eval_tokens=-100"], "eval.py: max_eval_tokens=-100: give a number of tokens"),
             (["--bootstrap", "0"], "eval.py: bootstrap=0: the 95% intervals are percentiles"),
+            (["--mask_seed", "-1"], "eval.py: mask_seed=-1: the seed of the fixed targets must be an integer from 0 "
+             "up"),
             (["--workdir", ""], "eval.py: --workdir is empty: give a folder"),
             (["--hf_checkpoint", "gs:/bucket/hub"], "eval.py: --hf_checkpoint='gs:/bucket/hub' is neither a bucket URL "
              "nor a local path: write gs://bucket/hub (two slashes)")]],

@@ -344,6 +344,9 @@ class StudySettings:
         if not self.multiples and not self.lengths:
             raise ValueError("multiples: none given, so there is no length to score; give multiples of the training "
                              f"length (default {','.join(map(str, DEFAULT_MULTIPLES))}) or explicit lengths")
+        if self.mask_seed < 0:  # numpy's generators take no negative seed ("expected non-negative integer")
+            raise ValueError(f"mask_seed={self.mask_seed}: the seed of the fixed targets must be an integer from 0 "
+                             "up (default 0)")
         if self.max_eval_tokens < 0:
             raise ValueError(f"max_eval_tokens={self.max_eval_tokens}: give a number of tokens to keep from the start "
                              "of each eval text, or 0 for all of it")
