@@ -161,8 +161,9 @@ def test_runs_that_are_not_seeds_of_one_model_are_refused_in_one_line(workdir, l
         (["--workdir", run, "--workdir", lookalikes["again"]], "but both have seed 0: one run given twice, or a "
          "repeated run, is not another seed; give only one of them"),
         (["--workdir", lookalikes["unevaluated"], "--checkpoint", "best"],
-         "has an eval loss (was config.data.eval_files empty?), so none is the best; take the latest (--checkpoint "
-         "latest; step=None from Python)"),
+         f"no best checkpoint in {lookalikes['unevaluated']}: no eval loss was logged (config.data.eval_files was "
+         "empty, or the run stopped before its first evaluation); pass --checkpoint latest, or one of its steps "
+         "[2, 4]"),
     ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda row: eval_py(*row[0], *data), rows))

@@ -313,9 +313,9 @@ def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir)
     if step == "best":
         best = manager.best_step()
         if best is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir} has an eval loss (was config.data.eval_files empty?), "
-                                    "so none is the best; take the latest (--checkpoint latest; step=None from "
-                                    "Python)")
+            raise FileNotFoundError(f"no best checkpoint in {workdir}: no eval loss was logged (config.data.eval_files "
+                                    "was empty, or the run stopped before its first evaluation); pass --checkpoint "
+                                    f"latest, or one of its steps {sorted(available)}")
         return best
     if step not in available:
         raise FileNotFoundError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
