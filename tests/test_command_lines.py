@@ -21,6 +21,9 @@ AOT = [sys.executable, "-m", "deberta_jax.aot"]
 SWEEP = [sys.executable, "-m", "deberta_jax.study.sweep"]
 SEED_RATE = [sys.executable, "-m", "deberta_jax.study.seed_rate"]
 CURVES = [sys.executable, "-m", "deberta_jax.study.curves"]
+FETCH = [sys.executable, "-m", "deberta_jax.data.fetch"]
+# No network: every HTTPS request goes to a proxy port where nothing listens.
+OFFLINE = ["env", "https_proxy=http://127.0.0.1:9", "HTTPS_PROXY=http://127.0.0.1:9", "no_proxy=", "NO_PROXY="]
 CONFIG = ["--config", "configs/deberta.py:micro"]
 
 
@@ -99,6 +102,11 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (SWEEP + ["--sweep", "configs/sweeps/natural.py", "--sweep.seeds=[2,3]", "--mode", "print"], 1,
          "--sweep.seeds: a list field cannot be set from the command line (only numbers, strings, booleans and tuples "
          "can); change it in the config file, or in a copy of it"),
+        (OFFLINE + FETCH + ["--out", f"{tmp}/data"], 1,
+         ("python -m deberta_jax.data.fetch: cannot download https://", "brown.zip (", "the network or the host is "
+          "unreachable from here); download it where it can be reached and give the file with --brown_zip=")),
+        (FETCH + ["--out", f"{tmp}/data", "--brown_zip", f"{tmp}/a_file"], 1,
+         f"--brown_zip={tmp}/a_file is not a zip file: give NLTK's brown.zip"),
         (SEED_RATE + ["--curves", curves, "--out", f"{tmp}/rate", "--margin=-0.5"], 1, "--margin=-0.5"),
         (SEED_RATE + ["--curves", bad_curves, "--out", f"{tmp}/rate"], 1, "bad-curves.json is not valid JSON"),
     ]

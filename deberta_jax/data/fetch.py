@@ -2,6 +2,9 @@
 
     python -m deberta_jax.data.fetch --out data      # needs network access; then --sweep.data_dir=data
 
+Without network access, give NLTK's brown.zip downloaded elsewhere (`--brown_zip`) and WikiText-2's original
+`wiki.valid.tokens` and `wiki.test.tokens` as `wikitext-2/valid.txt` and `wikitext-2/test.txt` under `--out`.
+
 Writes
   - `brown/train.txt`, `brown/valid.txt`: the Brown Corpus (Francis and Kucera 1961/1979, 500 samples of edited
     American English) from NLTK's data repository, part-of-speech tags stripped, one paragraph per line, a blank
@@ -16,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import urllib.error
 import urllib.request
 import zipfile
 
@@ -62,8 +66,33 @@ def wikitext_split(split: str) -> str:
     return "".join(line if line.endswith("\n") else line + "\n" for line in rows)
 
 
-def fetch(out: str) -> list[str]:
-    """Writes every missing file under `out`; returns the paths written."""
+def unreachable(what: str, err: OSError, instead: str) -> OSError:
+    """A failed download as one line: `what` could not be fetched, why, and `instead`, the local files to give."""
+    if isinstance(err, urllib.error.HTTPError):  # the host answered: the network is fine
+        reason = f"the server answered HTTP {err.code} {err.reason}"
+    else:
+        reason = f"{getattr(err, 'reason', err)}: the network or the host is unreachable from here"
+    return OSError(f"cannot download {what} ({reason}); {instead}")
+
+
+def brown_archive(brown_zip: str | None) -> bytes:
+    """NLTK's brown.zip: the file `brown_zip`, or downloaded from `BROWN_URL`."""
+    if brown_zip:
+        if not zipfile.is_zipfile(brown_zip):  # also False for a file that does not exist
+            raise ValueError(f"--brown_zip={brown_zip} is not a zip file: give NLTK's brown.zip, from {BROWN_URL}")
+        with open(brown_zip, "rb") as f:
+            return f.read()
+    print("downloading", BROWN_URL, flush=True)
+    try:
+        with urllib.request.urlopen(BROWN_URL, timeout=120) as response:
+            return response.read()
+    except OSError as err:  # urllib's URLError, or a timeout while reading
+        raise unreachable(BROWN_URL, err, "download it where it can be reached and give the file with "
+                          "--brown_zip=PATH/brown.zip") from None
+
+
+def fetch(out: str, brown_zip: str | None = None) -> list[str]:
+    """Writes every missing file under `out` (Brown from `brown_zip` if given); returns the paths written."""
     written = []
 
     def write(path: str, text: str) -> None:
@@ -73,16 +102,19 @@ def fetch(out: str) -> list[str]:
 
     brown = [os.path.join(out, "brown", f"{split}.txt") for split in ("train", "valid")]
     if not all(os.path.isfile(p) for p in brown):
-        print("downloading", BROWN_URL, flush=True)
-        with urllib.request.urlopen(BROWN_URL, timeout=120) as response:
-            texts = brown_splits(response.read())
-        for path, text in zip(brown, texts):
+        for path, text in zip(brown, brown_splits(brown_archive(brown_zip))):
             write(path, text)
     for split, name in (("validation", "valid"), ("test", "test")):
         path = os.path.join(out, "wikitext-2", f"{name}.txt")
         if not os.path.isfile(path):
             print("downloading", "/".join(WIKITEXT), split, flush=True)
-            write(path, wikitext_split(split))
+            try:
+                text = wikitext_split(split)
+            except ConnectionError as err:  # what `datasets` raises when the hub cannot be reached
+                raise unreachable(f"WikiText-2 ({'/'.join(WIKITEXT)}) from the Hugging Face hub", err, (
+                    "give its original wiki.valid.tokens and wiki.test.tokens as valid.txt and test.txt in "
+                    f"{os.path.dirname(path)} instead (files already there are kept)")) from None
+            write(path, text)
     return written
 
 
@@ -91,11 +123,12 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     flags.DEFINE_string("out", "data", "Folder to write brown/ and wikitext-2/ into (the $DATA of the commands).")
+    flags.DEFINE_string("brown_zip", None, f"NLTK's brown.zip, downloaded elsewhere (default: download {BROWN_URL}).")
 
 
 def main(argv):
     del argv
-    written = fetch(FLAGS.out)
+    written = fetch(FLAGS.out, FLAGS.brown_zip)
     print("wrote", ", ".join(written) if written else f"nothing: every file is already in {FLAGS.out}")
 
 

@@ -52,3 +52,17 @@ def test_fetch_writes_what_is_missing_and_keeps_what_is_there(tmp_path, monkeypa
     assert (tmp_path / "wikitext-2" / "valid.txt").read_text() == " = A = \n text <unk> .\n"
     assert (tmp_path / "wikitext-2" / "test.txt").read_text() == "kept"
     assert fetch.fetch(str(tmp_path)) == []
+
+
+def test_brown_is_read_from_a_given_archive_without_the_network(tmp_path, monkeypatch):
+    def offline(url, timeout):
+        raise AssertionError("downloaded")
+
+    monkeypatch.setattr(fetch.urllib.request, "urlopen", offline)
+    (tmp_path / "brown.zip").write_bytes(brown_zip(10))
+    for name in ("valid", "test"):  # given as the original files, so nothing is downloaded
+        (tmp_path / "wikitext-2").mkdir(exist_ok=True)
+        (tmp_path / "wikitext-2" / f"{name}.txt").write_text(" = A = \n")
+    written = fetch.fetch(str(tmp_path), brown_zip=str(tmp_path / "brown.zip"))
+    assert sorted(p.split(str(tmp_path))[1] for p in written) == ["/brown/train.txt", "/brown/valid.txt"]
+    assert "doc9 " in (tmp_path / "brown" / "valid.txt").read_text()
