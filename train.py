@@ -77,20 +77,12 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
     """
     own = workdir / checkpoint.TOKENIZER_FILE
     resuming = own.is_file()
-    # Any other tokenizer would give the checkpoints' token ids other pieces, so the fix is this very file.
-    restore = (f"Restore {checkpoint.TOKENIZER_FILE} from a copy of the workdir or an export of it "
-               "(python -m deberta_jax.export writes it), or train anew in another --workdir.")
     if not resuming and checkpoint.has_checkpoints(workdir):
         raise FileNotFoundError(f"{own} is missing, but {workdir} holds checkpoints trained with its token ids. "
-                                f"{restore}")
+                                f"{checkpoint.RESTORE_TOKENIZER}, or train anew in another --workdir.")
     sharding.sync_processes("tokenizer looked up")  # no process may see the file process 0 is about to write
-    if resuming:
-        try:
-            return tokenizer_lib.load_tokenizer(own)
-        except ValueError:  # load_tokenizer's hint (config.data.tokenizer) does not apply: resuming ignores it
-            raise config_checks.ConfigError(
-                f"{own} cannot be read (truncated, or not a tokenizers JSON), and the checkpoints in {workdir} were "
-                f"trained with its token ids. {restore}") from None
+    if resuming:  # config.data.tokenizer is ignored: the checkpoints' own tokenizer or none
+        return checkpoint.load_tokenizer(workdir)
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
     if synthetic.is_synthetic_spec(config.data.train_files):

@@ -143,21 +143,21 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
         raise OSError(f"cannot write the tokenizer to {path} ({err}); is {path.parent} writable?") from None
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, fix: str | None = None) -> Tokenizer:
     """Reads a tokenizer JSON written by `save_tokenizer` (locally or from object storage) and checks its special
-    tokens."""
+    tokens. `fix`: what to do about a missing or unreadable file, in place of the general advice (train one; point
+    config.data.tokenizer at an intact one)."""
     path = storage.path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"tokenizer file {path} not found; train one with deberta_jax.data.tokenizer.train_tokenizer "
-            "and save it with save_tokenizer"
-        )
+            f"tokenizer file {path} not found; "
+            + (fix or "train one with deberta_jax.data.tokenizer.train_tokenizer and save it with save_tokenizer"))
     try:
         tokenizer = Tokenizer.from_str(storage.read_text(path))
     except storage.StorageError:
         raise
     except Exception as err:  # the Rust parser raises a bare Exception for a truncated or foreign file
-        raise ValueError(f"tokenizer file {path} cannot be read ({err}): it is truncated or not a tokenizers "
-                         "JSON; restore it, or point config.data.tokenizer at an intact tokenizer.json") from None
+        raise ValueError(f"tokenizer file {path} cannot be read ({err}): it is truncated or not a tokenizers JSON; "
+                         + (fix or "restore it, or point config.data.tokenizer at an intact tokenizer.json")) from None
     SpecialIds.from_tokenizer(tokenizer)
     return tokenizer

@@ -293,6 +293,18 @@ def read_config(workdir: str | Path) -> config_dict.ConfigDict:
                          "(a new workdir's config.json shows the layout)") from None
 
 
+# Any other tokenizer would give the checkpoints' token ids other pieces, so the fix for a lost one is this very file.
+RESTORE_TOKENIZER = (f"Restore {TOKENIZER_FILE} from a copy of the workdir or an export of it (python -m "
+                     "deberta_jax.export writes it)")
+
+
+def load_tokenizer(workdir: str | Path) -> Tokenizer:
+    """The tokenizer of `workdir`'s checkpoints; missing or unreadable, it is named with `RESTORE_TOKENIZER` (neither
+    a resumed run nor an evaluation reads config.data.tokenizer, the general advice)."""
+    return tokenizer_lib.load_tokenizer(storage.path(workdir) / TOKENIZER_FILE, fix=(
+        f"the checkpoints in {workdir} were trained with its token ids. {RESTORE_TOKENIZER}"))
+
+
 def parse_step(text: str) -> int | str:
     """A `--checkpoint` flag's value as `select_step` takes it: 'latest', 'best' or a step number."""
     if text in ("latest", "best"):
@@ -346,7 +358,7 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
     """
     config = read_config(workdir)
     model_config = ModelConfig.from_dict(config.model.to_dict()).with_options(**overrides)
-    tokenizer = tokenizer_lib.load_tokenizer(storage.path(workdir) / TOKENIZER_FILE)
+    tokenizer = load_tokenizer(workdir)
     manager = checkpoint_manager(workdir, read_only=True)
     chosen = select_step(manager, step, workdir)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: MaskedLM(model_config, rngs=nnx.Rngs(params=0))))
