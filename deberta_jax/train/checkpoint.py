@@ -126,9 +126,12 @@ def write_digest(step_dir: storage.AnyPath) -> None:
 
 def verify_files(step_dir: storage.AnyPath) -> None:
     """Raises DamagedCheckpointError unless every file recorded in the digest is there, unchanged.
-    A checkpoint without a digest passes (nothing to compare; `restore_newest_intact` still checks values)."""
+    A checkpoint without a digest passes with a warning (nothing to compare; its values are still checked)."""
     recorded_path = step_dir / DIGEST_FILE
     if not recorded_path.is_file():
+        logging.warning("checkpoint %s has no %s (saved before checkpoints carried a digest, or its process died "
+                        "before writing one): its files are not checked against what was saved, only its values for "
+                        "NaN and inf", step_dir, DIGEST_FILE)
         return
     try:
         recorded = json.loads(storage.read_text(recorded_path))
