@@ -7,6 +7,7 @@ Nothing here needs transformers: the files are the documented formats, written w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -73,19 +74,35 @@ def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) 
     out = storage.path(out)
     if storage.is_remote(out):
         with tempfile.TemporaryDirectory(prefix="deberta-jax-export-") as staging:
-            notes = _write(model, tokenizer, Path(staging))
+            with _reporting_no_room(Path(staging).parent, f"to stage the export before its upload to {out}",
+                                    "set TMPDIR to a folder on a disk with room"):
+                notes = _write(model, tokenizer, Path(staging))
             storage.upload_tree(staging, out)
         return notes
     atomic.remove_abandoned(out)
     staging = atomic.temporary(out)
     try:
-        notes = _write(model, tokenizer, staging)
+        with _reporting_no_room(out, "to write the export", "give an --out on a disk with room"):
+            notes = _write(model, tokenizer, staging)
         out.mkdir(parents=True, exist_ok=True)
         for name in EXPORTED_FILES:
             os.replace(staging / name, out / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return notes
+
+
+@contextlib.contextmanager
+def _reporting_no_room(folder, what: str, other: str):
+    """A write that found no room (`checkpoint.no_room`; safetensors raises its own error type) as one line naming
+    `folder`; the partial files are the staging folder's, which the caller removes."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - kept as it was unless it says there was no room
+        if not checkpoint.no_room(err):
+            raise
+        raise OSError(f"{folder}: no room {what} (the disk is full, or a file-size or quota limit was reached); "
+                      f"nothing was written there. Free space on its disk, or {other}") from None
 
 
 def _write(model: MaskedLM, tokenizer: Tokenizer, folder: Path) -> list[str]:
