@@ -31,7 +31,7 @@ import shlex
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
 from deberta_jax import storage
@@ -198,12 +198,17 @@ def study_settings(sweep: config_dict.ConfigDict) -> length_study.StudySettings:
 def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, settings, corpora) -> tuple[list, list]:
     """`run_study` for one model, kept in `cache_path` so an interrupted or repeated report does not
     evaluate a run again; the cache is used only if `fingerprint` (what the result depends on: settings,
-    the eval files' contents, the checkpoint's) is unchanged."""
+    the eval files' contents, the checkpoint's) is unchanged, and a damaged one is redone with a warning."""
     fingerprint = json.loads(json.dumps(fingerprint))  # tuples -> lists, as they come back from the file
     if storage.path(cache_path).is_file():
-        cached = json.loads(storage.read_text(cache_path))
-        if cached.get("fingerprint") == fingerprint:
-            return cached["records"], cached["skipped"]
+        try:
+            cached = json.loads(storage.read_text(cache_path))
+        except json.JSONDecodeError as err:  # written whole, so cut short or edited by something else
+            logging.warning("%s is not valid JSON (%s): a cached length evaluation, damaged; evaluating the run "
+                            "again, which replaces it", cache_path, err)
+        else:
+            if cached.get("fingerprint") == fingerprint:
+                return cached["records"], cached["skipped"]
     records, skipped = length_study.run_study([load_model()], datasets, settings, corpora)
     report.check_finite(records)
     storage.write_text(cache_path, json.dumps(dict(fingerprint=fingerprint, records=records, skipped=skipped)))
