@@ -337,10 +337,18 @@ def trained_table(runs: list[dict]) -> str:
 
 
 def sweep_command(sweep: config_dict.ConfigDict) -> str:
-    """The command that runs this sweep, with its data location when the config has one."""
+    """The command that runs this sweep again: its config file, and a `--sweep.*` flag for each value the sweep holds
+    other than the file's (its roots, its data_dir, a changed step count; without them a rerun would train, read or
+    report elsewhere, or be another sweep). Values no flag can set (lists) are not given."""
+    written = config_checks.load_config_file(sweep.config_path)
+    defaults = flatten(written.to_dict())
     command = ["python", "-m", "deberta_jax.study.sweep", "--sweep", sweep.config_path]
-    if "data_dir" in sweep:
-        command.append(f"--sweep.data_dir={sweep.data_dir}")
+    # Top-level fields first: the fields that refer to one (data_dir's paths) then hold what the flag gives them.
+    for key, value in sorted(flatten(sweep.to_dict()).items(), key=lambda item: (item[0].count("."), item[0])):
+        if value != defaults.get(key, value) and isinstance(value, (str, int, float, bool, tuple)):
+            command.append(f"--sweep.{key}={_flag_value(value)}")
+            written.update_from_flattened_dict({key: value})
+            defaults = flatten(written.to_dict())
     return shlex.join(command + ["--mode", "run"])
 
 
