@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -360,8 +359,7 @@ def main(argv):
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
     except preemption.Preempted as notice:
-        sys.stderr.write(f"train.py: {notice}\n")
-        sys.exit(preemption.EXIT_CODE)
+        preemption.stop("train.py", notice)
 
 
 if __name__ == "__main__":

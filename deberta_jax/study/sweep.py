@@ -5,19 +5,19 @@
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode score --runs=bert-L64-s0
 
-A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*`
-overrides, plus seeds, training lengths, overrides common to all runs, and the evaluation settings.
-Each run is an ordinary `train.py` invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`),
-so a sweep is resumable for free: finished runs (a checkpoint at `num_steps`) are skipped and
-interrupted ones resume from their last checkpoint. `--mode print` writes the same commands for a
-cluster scheduler instead of running them; `--mode report` evaluates whatever has finished. A finished run
-that trained on another config than the sweep now gives it (another data file, another model size) is refused,
-naming what changed, instead of being skipped and reported as the new config's. Each
-run's evaluation is kept in its workdir (`length_eval.json`), so an interrupted report resumes and a
-finished one is rebuilt in seconds; it is keyed by the evaluation settings and by what the checkpoint and
-the eval files contain, so moving a workdir or spelling the data path differently keeps it, and retraining
-a run or changing an eval file does not. `--mode score --runs=...` evaluates only the named runs and writes
-no report, so runs can be scored side by side (a process per core or per machine) before one `--mode report`
+A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*` overrides, plus seeds,
+training lengths, overrides common to all runs, and the evaluation settings. Each run is an ordinary `train.py`
+invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`), so a sweep is resumable for free: finished runs
+(a checkpoint at `num_steps`) are skipped and interrupted ones resume from their last checkpoint. A SIGTERM to the
+sweep (a preemption notice) is passed on to the run training, which saves a checkpoint and stops; the sweep then
+names it and exits 143, as train.py does. `--mode print` writes the same commands for a cluster scheduler instead of
+running them; `--mode report` evaluates whatever has finished. A finished run that trained on another config than
+the sweep now gives it (another data file, another model size) is refused, naming what changed, instead of being
+skipped and reported as the new config's. Each run's evaluation is kept in its workdir (`length_eval.json`), so an
+interrupted report resumes and a finished one is rebuilt in seconds; it is keyed by the evaluation settings and by
+what the checkpoint and the eval files contain, so moving a workdir or spelling the data path differently keeps it,
+and retraining a run or changing an eval file does not. `--mode score --runs=...` evaluates only the named runs and
+writes no report, so runs can be scored side by side (a process per core or per machine) before one `--mode report`
 gathers them; a run is scored under its workdir's lock, so two processes never score it at once.
 """
 
@@ -28,8 +28,10 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
@@ -39,7 +41,7 @@ from deberta_jax.data import errors, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.study import length_study, report
-from deberta_jax.train import checkpoint, config_checks, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, preemption, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
 flags.DEFINE_enum("mode", "run", ["run", "print", "report", "score"],
@@ -48,6 +50,7 @@ flags.DEFINE_enum("mode", "run", ["run", "print", "report", "score"],
 flags.DEFINE_list("runs", [], "With --mode score: the runs to evaluate, by name (the last part of their workdir, "
                   "e.g. deberta-L64-s0), comma-separated.")
 FLAGS = flags.FLAGS
+PROGRAM = "python -m deberta_jax.study.sweep"
 
 
 def _flag_value(value) -> str:
@@ -86,15 +89,20 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
     return runs
 
 
-def finished(run: dict) -> bool:
-    """A run is done when its workdir (local or in a bucket) holds a checkpoint at the final step."""
+def latest_step(run: dict) -> int | None:
+    """The step of the newest checkpoint in the run's workdir (local or in a bucket), None before its first."""
     if not (storage.path(run["workdir"]) / checkpoint.CHECKPOINT_DIR).is_dir():
-        return False
+        return None
     manager = checkpoint.checkpoint_manager(run["workdir"], read_only=True)
     try:
-        return manager.latest_step() == run["num_steps"]
+        return manager.latest_step()
     finally:
         manager.close()
+
+
+def finished(run: dict) -> bool:
+    """A run is done when its workdir holds a checkpoint at the final step."""
+    return latest_step(run) == run["num_steps"]
 
 
 # Beside a run the sweep trained: the fingerprint (`length_study.config_fingerprint`) of what it trained with.
@@ -153,23 +161,56 @@ def check_finished_runs(runs: list[dict]) -> None:
         raise ValueError(changed[0] + others)
 
 
+class RunStopped(Exception):
+    """A SIGTERM to the sweep (a preemption notice) stopped the run in training, passed on to its train.py."""
+
+
+def train_run(run: dict) -> tuple[int, bool]:
+    """Runs `run`'s train.py; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal is
+    passed on, so the run saves a checkpoint and stops as train.py does on its own (`preemption`), instead of
+    training on after the sweep is gone."""
+    noticed = threading.Event()
+    process = None
+
+    def forward(signum, frame):
+        noticed.set()
+        if process is not None:
+            process.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        process = subprocess.Popen(run["command"])
+        if noticed.is_set():  # it came while the process was being started
+            process.send_signal(signal.SIGTERM)
+        status = process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return status, noticed.is_set()
+
+
 def train_all(runs: list[dict]) -> None:
+    """Trains every run not finished, one after the other. Raises RunStopped when a SIGTERM stopped one."""
     check_finished_runs(runs)
     for i, run in enumerate(runs, 1):
         if finished(run):
             print(f"[{i}/{len(runs)}] {run['name']}: finished, skipped", flush=True)
             continue
         print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(run['command'])}", flush=True)
-        try:
-            subprocess.run(run["command"], check=True)
-        except subprocess.CalledProcessError as err:  # train.py has said why on its own stderr, just above
+        status, stopped = train_run(run)
+        if status and not stopped:  # train.py has said why on its own stderr, just above
             raise ChildProcessError(
-                f"run {run['name']} failed (exit status {err.returncode}; its message is above): "
+                f"run {run['name']} failed (exit status {status}; its message is above): "
                 f"{shlex.join(run['command'])}. Fix the cause and run the sweep again: finished runs are skipped, "
-                "this one resumes") from None
-        if finished(run):  # not after a stop (--stop_at_step), which leaves it to resume
+                "this one resumes")
+        step = latest_step(run)
+        if step == run["num_steps"]:  # not after a stop (--stop_at_step, SIGTERM), which leaves it to resume
             storage.write_text(storage.path(run["workdir"]) / TRAINED_FILE,
                                json.dumps(dict(config_fingerprint=length_study.config_fingerprint(run["workdir"]))))
+        if stopped:
+            where = ("before its first checkpoint" if step is None else
+                     f"at its checkpoint of step {step} in {storage.path(run['workdir']) / checkpoint.CHECKPOINT_DIR}")
+            raise RunStopped(f"preempted (SIGTERM): passed on to run {run['name']}, which stopped {where}; rerun the "
+                             "same sweep command to resume it (finished runs are skipped)")
 
 
 def code_version(report_dir: str) -> str:
@@ -370,12 +411,14 @@ def main(argv):
     # One sweep per workdir root (each run's train.py also locks its own workdir).
     with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
         if FLAGS.mode == "run":
-            train_all(runs)
+            try:
+                train_all(runs)
+            except RunStopped as notice:
+                preemption.stop(PROGRAM, notice)
         print("report:", evaluate_and_report(sweep, runs, FLAGS.mode))
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["sweep"])
-    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.sweep",
-                                         also=(workdir_lock.WorkdirBusyError,)),
+    app.run(errors.reporting_user_errors(main, PROGRAM, also=(workdir_lock.WorkdirBusyError,)),
             flags_parser=lambda argv: config_checks.parse_config_flags(FLAGS, argv, "sweep"))

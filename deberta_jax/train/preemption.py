@@ -12,13 +12,16 @@ step, and all processes get True at the same step:
 
 The loop then saves that step's checkpoint and raises `Preempted`; the entry point exits with `EXIT_CODE` (128 +
 SIGTERM, what a process killed by the signal reports, so schedulers treat it as a termination) and one line saying
-so. A rerun of the same command resumes from that checkpoint exactly.
+so (`stop`). A rerun of the same command resumes from that checkpoint exactly. A sweep passes a SIGTERM on to the
+train.py it runs and, once that has stopped, ends the same way.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from typing import NoReturn
 
 import jax
 
@@ -32,6 +35,12 @@ class Preempted(Exception):
         super().__init__(f"preempted (SIGTERM): saved the checkpoint at step {step} in {where} and stopped; rerun "
                          "the same command to resume from it")
         self.step = step
+
+
+def stop(program: str, notice: Exception) -> NoReturn:
+    """How an entry point a preemption notice stopped ends: `program: notice` on one line, and `EXIT_CODE`."""
+    sys.stderr.write(f"{program}: {notice}\n")
+    sys.exit(EXIT_CODE)
 
 
 class Watch:

@@ -69,7 +69,7 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     # Trained at micro size, not the smoke config's: what is tested here is the skipping.
     monkeypatch.setattr(sweep, "changed_since_trained", lambda run: None)
     launched = []
-    monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: launched.append(command))
+    monkeypatch.setattr(sweep, "train_run", lambda run: launched.append(run["command"]) or (0, False))
     sweep.train_all(runs)
     assert launched == [runs[1]["command"]]
 
@@ -119,18 +119,19 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
     plan.common_overrides.data.cache_dir = str(tmp_path / "cache")
     [run] = sweep.planned_runs(plan)
 
-    def train_in_process(command, check):
-        assert command == run["command"]
+    def train_in_process(planned):
+        assert planned["command"] == run["command"]
         config = config_checks.load_config_file(run["config"])
         config.update_from_flattened_dict(run["overrides"])
         train.train_and_evaluate(config, run["workdir"])
+        return 0, False
 
-    monkeypatch.setattr(sweep.subprocess, "run", train_in_process)
+    monkeypatch.setattr(sweep, "train_run", train_in_process)
     sweep.train_all([run])
     assert (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).is_file()
     assert sweep.changed_since_trained(run) is None
     sweep.train_all([run])  # skipped: train_in_process would refuse a second training
-    monkeypatch.setattr(sweep.subprocess, "run", lambda command, check: pytest.fail("trained again"))
+    monkeypatch.setattr(sweep, "train_run", lambda run: pytest.fail("trained again"))
 
     def refusal(**changes) -> str:
         changed = copy.deepcopy(plan)
