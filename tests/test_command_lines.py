@@ -1,15 +1,27 @@
-"""Bad input through the real command lines, as a user types them: each row is an argv, the exit status and the pieces
-of the one line it must end in. Every row fails at start-up, before any training or compiling, and none needs a trained
-model (a hand-made workdir stands in where one is named). Rows run two at a time: each pays Python's and jax's
-imports. A refusal that needs a trained run or a second invocation has its own test beside the code it guards."""
+"""Bad input and faults through the real command lines, as a user types them: each row is an argv, the exit status and
+the pieces of the one line it must end in (a warning's line, for a command that goes on), and for a stop, the text of
+the log after which it gets SIGTERM. The first table's rows fail at start-up, before any training or compiling, and
+need no trained model (a hand-made workdir stands in where one is named); the second's share one run of the smoke
+sweep, trained by the command the sweep prints. Rows run two at a time: each pays Python's and jax's imports. A
+refusal that needs a second invocation has its own test beside the code it guards."""
 
 import concurrent.futures
+import contextlib
 import gzip
 import json
 import os
 import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
 
 from deberta_jax.data import errors
 from tests.helpers import REPO
@@ -30,8 +42,17 @@ CONFIG = ["--config", "configs/deberta.py:micro"]
 # The hints the one line may carry under it: absl's under a flag-parsing error, the project's under a refusal.
 HINTS = ("Pass --helpshort or --helpfull to see help on flags.",
          f"({errors.TRACEBACK_VARIABLE}=1 shows where it was raised)")
-# A run's progress log before the refusal (absl's `I1202 13:00:39.95 ...` lines) is not part of the message.
-LOG_LINE = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ ")
+# A run's progress log before the refusal (absl's `I1202 13:00:39.95 ...` lines, a progress bar's `train:  40%|`) is
+# not part of the message; nor, under a sweep, is the last line of the train.py it ran.
+LOG_LINE = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ |\w+: +\d+%\|")
+CHILD_LINE = "train.py: "
+
+
+class Row(NamedTuple):
+    argv: list[str]
+    status: int
+    message: str | tuple[str, ...]
+    sigterm_after: str | None = None  # stop the command with SIGTERM once its stderr shows this
 
 
 def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
@@ -112,10 +133,49 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
     ]
 
 
-def run(argv: list[str]) -> subprocess.CompletedProcess:
+def run(row: Row) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("DEBERTA_JAX_TRACEBACK", None)
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    if row.sigterm_after is None:
+        return subprocess.run(row.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    with tempfile.TemporaryFile("w+") as stderr:
+        def logged() -> str:
+            stderr.seek(0)
+            return stderr.read()
+
+        process = subprocess.Popen(row.argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        deadline = time.monotonic() + 240
+        while row.sigterm_after not in logged() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=240)
+        return subprocess.CompletedProcess(row.argv, process.returncode, "", logged())
+
+
+def failures(table: list[tuple], results: list[subprocess.CompletedProcess]) -> list[str]:
+    """The rows whose command ended otherwise than the row says: another status, a traceback, or not in its one line
+    (for a command that succeeds, the warning among its log)."""
+    found = []
+    for row, result in zip([Row(*row) for row in table], results):
+        pieces = (row.message,) if isinstance(row.message, str) else row.message
+        lines = [line for line in result.stderr.splitlines()
+                 if line.strip() and line not in HINTS and not LOG_LINE.match(line)
+                 and not (line.startswith(CHILD_LINE) and row.argv[1] != "train.py")]
+        if row.status == 0:
+            said = [line for line in result.stderr.splitlines() if all(piece in line for piece in pieces)]
+            one_line = len(said) == 1 and "Traceback" not in result.stderr
+        else:
+            one_line = len(lines) == 1 and all(piece in lines[0] for piece in pieces)
+        if result.returncode != row.status or not one_line:
+            found.append(f"{row.argv[1:]}: exit {result.returncode}, stderr:\n{result.stderr[-1500:]}")
+    return found
+
+
+def run_table(table: list[tuple]) -> list[subprocess.CompletedProcess]:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, [Row(*row) for row in table]))
+    assert not failures(table, results), "\n\n".join(failures(table, results))
+    return results
 
 
 def test_bad_input_ends_in_one_line_without_a_traceback(tmp_path):
@@ -126,15 +186,87 @@ def test_bad_input_ends_in_one_line_without_a_traceback(tmp_path):
     (tmp_path / "train.txt.gz").write_bytes(gzip.compress(b"some words\n" * 100))
     (tmp_path / "curves.json").write_text(json.dumps({"curves": {}, "workdirs": {}}))
     (tmp_path / "bad-curves.json").write_text('{"curves": {"bert": {"1": 2.')
-    table = rows(tmp_path)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, [argv for argv, _, _ in table]))
-    failures = []
-    for (argv, status, message), result in zip(table, results):
-        pieces = (message,) if isinstance(message, str) else message
-        lines = [line for line in result.stderr.splitlines()
-                 if line.strip() and line not in HINTS and not LOG_LINE.match(line)]
-        one_line = len(lines) == 1 and all(piece in lines[0] for piece in pieces)
-        if result.returncode != status or not one_line:
-            failures.append(f"{argv[1:]}: exit {result.returncode}, stderr:\n{result.stderr[-1500:]}")
-    assert not failures, "\n\n".join(failures)
+    run_table(rows(tmp_path))
+
+
+SMOKE_SWEEP = SWEEP + ["--sweep", "configs/sweeps/synthetic.py:markov,smoke"]
+# The eval flags of a few seconds' scoring.
+SHORT_EVAL = ["--data_files", "synthetic:markov:test:docs=4,doc_len=256", "--multiples", "1", "--extra=",
+              "--protocols", "chunked", "--bootstrap", "20", "--nounigram", "--nooracle"]
+# Writes past 32 KiB fail (EFBIG), as on a full disk, without root; no compilation cache entry is written under it.
+FULL_DISK = ["env", "JAX_ENABLE_COMPILATION_CACHE=false", "bash", "-c", 'ulimit -f 32 && exec "$@"', "bash"]
+
+
+def smoke_sweep(root) -> list[str]:
+    """The smoke sweep (two micro models, 4 steps) with its runs and report under `root`; its runs train without
+    evaluation, which is quicker and a nested field for the report's command to carry."""
+    return SMOKE_SWEEP + [f"--sweep.workdir_root={root}/runs", f"--sweep.report_dir={root}/report",
+                          "--sweep.common_overrides.data.eval_files="]
+
+
+def trained_rows(tmp, run: str) -> list[tuple]:
+    """Rows about `run`, a finished run of `smoke_sweep(tmp)`, and copies of it with one thing wrong
+    (`tmp/<what is wrong>`)."""
+    restore = "were trained with its token ids. Restore tokenizer.json from a copy of the workdir or an export of it"
+    return [
+        (EVAL + ["--workdir", f"{tmp}/tokenizer-cut", "--out", f"{tmp}/out", *SHORT_EVAL], 1,
+         (f"eval.py: tokenizer file {tmp}/tokenizer-cut/tokenizer.json cannot be read (", restore)),
+        (EVAL + ["--workdir", f"{tmp}/tokenizer-lost", "--out", f"{tmp}/out", *SHORT_EVAL], 1,
+         f"eval.py: tokenizer file {tmp}/tokenizer-lost/tokenizer.json not found; the checkpoints in "
+         f"{tmp}/tokenizer-lost {restore}"),
+        (EVAL + ["--workdir", f"{tmp}/no-digest", "--out", f"{tmp}/out", *SHORT_EVAL], 0,
+         f"checkpoint {tmp}/no-digest/checkpoints/4 has no sha256.json (saved before checkpoints carried a digest, or "
+         "its process died before writing one): its files are not checked against what was saved, only its values "
+         "for NaN and inf"),
+        (FULL_DISK + EXPORT + ["--workdir", run, "--out", f"{tmp}/export"], 1,
+         f"python -m deberta_jax.export: {tmp}/export: no room to write the export (the disk is full, or a file-size "
+         "or quota limit was reached); nothing was written there"),
+        # Its cached evaluation cut short: evaluated again. The report names the roots in its command.
+        (smoke_sweep(tmp) + ["--mode", "report"], 0,
+         (f"{run}/length_eval.json is not valid JSON (", "a cached length evaluation, damaged; evaluating the run "
+          "again, which replaces it")),
+        (smoke_sweep(f"{tmp}/stopped") + ["--sweep.common_overrides.train.num_steps=100000"], 143,
+         ("python -m deberta_jax.study.sweep: preempted (SIGTERM): passed on to run ", ", which stopped at its "
+          "checkpoint of step ", f" in {tmp}/stopped/", "; rerun the same sweep command to resume it"),
+         "] step 2: "),
+    ]
+
+
+@pytest.mark.slow  # trains a run of 4 steps, then scores, exports and stops one
+def test_faults_around_a_trained_run_end_in_one_line(tmp_path):
+    sweep = smoke_sweep(tmp_path)
+    command = shlex.split(run(Row(sweep + ["--mode", "print"], 0, "")).stdout.splitlines()[0])
+    trained = run(Row(command, 0, ""))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    workdir = Path(command[command.index("--workdir") + 1])
+    for name in ("tokenizer-cut", "tokenizer-lost", "no-digest"):
+        shutil.copytree(workdir, tmp_path / name)
+    tokenizer = tmp_path / "tokenizer-cut" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:200])
+    (tmp_path / "tokenizer-lost" / "tokenizer.json").unlink()
+    for digest in (tmp_path / "no-digest" / "checkpoints").glob("*/sha256.json"):
+        digest.unlink()
+    (workdir / "length_eval.json").write_text('{"fingerprint": {"sett')
+    results = run_table(trained_rows(tmp_path, str(workdir)))
+
+    assert not (tmp_path / "export").exists()  # nothing half-written left as if complete
+    # The report's command to go on carries the sweep's roots and overrides.
+    report = (tmp_path / "report" / "REPORT.md").read_text()
+    rerun = re.search(r"to train what is missing and report: `([^`]+)`", report)
+    assert set(sweep[1:]) <= set(shlex.split(rerun[1])), rerun[1]
+    # The stopped sweep's train.py is gone, and the checkpoint its line names is there.
+    stopped = re.search(r"checkpoint of step (\d+) in (\S+);", results[-1].stderr)
+    assert (Path(stopped[2]) / stopped[1]).is_dir()
+    marker = f"{tmp_path}/stopped".encode()
+    running = {p.name: _cmdline(p) for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)}
+    for pid in running:  # left training (for hours) by a sweep that did not stop it: ended here, then reported
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    assert not running, running
+
+
+def _cmdline(process: Path) -> bytes:
+    try:
+        return (process / "cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
