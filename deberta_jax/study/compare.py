@@ -1,0 +1,146 @@
+"""Models from several studies side by side, per seed: how much each one's loss rises past the training length, and
+whether the same targets get easier as the context around them grows.
+
+    python -m deberta_jax.study.compare --results results/natural-far/results.json.gz \
+        --results results/natural-past/results.json.gz --baseline deberta-emd-L64 \
+        --models deberta-emd-L64,deberta-emd-L64+window_global,deberta-emd-learned-long256-L64 \
+        --out results/natural-past/compare
+
+Studies that share a recipe, seeds and evaluation texts (their settings and caches are keyed alike) are comparable
+run by run, though each report only holds its own runs. Two views:
+
+- **chunked rise**: each seed's loss at every multiple of L minus its own loss at 1x (negative: the longer inputs
+  are easier), with the 1x loss against `--baseline`'s at the same seed (what a training recipe costs where
+  nothing is extrapolated);
+- **fixed targets**: the loss of the same target spans, placed L/2 into windows of every length, by window length.
+  Falling means the model uses the extra keys (context), flat means it behaves like a window of L, rising means the
+  extra keys hurt. The verdict compares the longest window with the window of L, at `--flat_within` nats.
+
+Writes `compare.md` and `fixed_targets.png` into `--out`, and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a training host
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from deberta_jax import storage  # noqa: E402
+from deberta_jax.study import report  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("results", [], "A study's results file (results.json.gz); repeat for more.")
+flags.DEFINE_list("models", [], "Model labels to compare, as the results files name them (e.g. deberta-emd-L64, "
+                  "deberta-emd-L64+window).")
+flags.DEFINE_string("baseline", None, "The label whose 1x loss each model's 1x loss is compared with, seed by seed.")
+flags.DEFINE_float("flat_within", 0.02, "Fixed targets: a change within this many nats from the window of L to the "
+                   "longest window counts as flat.")
+flags.DEFINE_string("out", None, "Folder for compare.md and fixed_targets.png (local or gs://...).")
+
+
+def load(paths: list[str], models: list[str]) -> pd.DataFrame:
+    """The loss records of `models` from every results file, refusing a model that two files both hold (which run
+    would it be?) and naming any that none holds."""
+    frames = []
+    for path in paths:
+        frame = report.load_results(path)
+        # Each seed's own records: the file's means over seeds are recomputed here, over the seeds compared.
+        frame = frame[frame["model"].isin(models) & (frame["metric"] == "loss") & (frame["bucket"] == "all")
+                      & frame["seed"].map(lambda s: isinstance(s, int))]
+        frames.append(frame.assign(results=path))
+    records = pd.concat(frames, ignore_index=True)
+    sources = records.groupby("model")["results"].unique()
+    doubled = {m: list(files) for m, files in sources.items() if len(files) > 1}
+    if doubled:
+        raise ValueError(f"--models: {doubled} appear in more than one results file; compare each once (give one "
+                         "of the files, or rename the runs)")
+    missing = [m for m in models if m not in sources.index]
+    if missing:
+        raise ValueError(f"--models: {', '.join(missing)} not in {', '.join(paths)}; their labels: "
+                         + ", ".join(sorted(set().union(*(report.load_results(p)["model"].unique() for p in paths)))))
+    return records
+
+
+def chunked_rises(records: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
+    """One row per (dataset, model, seed): loss at 1x, its difference from the baseline's at that seed, and the
+    rise at every longer multiple; then each model's mean over its seeds."""
+    chunked = records[records["protocol"] == "chunked"]
+    loss = chunked.pivot_table(index=["dataset", "model", "seed"], columns="multiple", values="value")
+    table = pd.DataFrame({"1x": loss[1.0]})
+    if baseline is not None:
+        base = loss.xs(baseline, level="model")[1.0]
+        table["1x vs baseline"] = [row - base.get((d, s), float("nan")) for (d, _, s), row in loss[1.0].items()]
+    for multiple in [m for m in loss.columns if m > 1]:
+        table[f"rise {multiple:g}x"] = loss[multiple] - loss[1.0]
+    means = table.groupby(level=["dataset", "model"]).mean().assign(seed="mean").set_index("seed", append=True)
+    return pd.concat([table, means]).sort_index(level=["dataset", "model"], sort_remaining=False)
+
+
+def fixed_targets(records: pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds of the loss of the targets placed L/2 into each window, by window length."""
+    fixed = records[(records["protocol"] == "fixed_target") & (records["offset"] == records["train_len"] // 2)]
+    return fixed.pivot_table(index=["dataset", "model"], columns="eval_len", values="value", aggfunc="mean")
+
+
+def verdicts(fixed: pd.DataFrame, flat_within: float) -> pd.Series:
+    """falls / flat / rises, from the window of L to the longest one."""
+    change = fixed.ffill(axis=1).iloc[:, -1] - fixed.iloc[:, 0]
+    return change.map(lambda c: f"{c:+.3f}: " + ("flat" if abs(c) <= flat_within else "falls" if c < 0 else "rises"))
+
+
+def plot(fixed: pd.DataFrame, path: str) -> None:
+    datasets = fixed.index.get_level_values("dataset").unique()
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for model, row in fixed.xs(dataset, level="dataset").iterrows():
+            ax.plot(row.index, row.values, marker="o", label=model)
+        ax.set(xscale="log", xlabel="window length (tokens)", ylabel="loss of the same targets (nats)", title=dataset)
+        ax.set_xticks(list(fixed.columns), [str(c) for c in fixed.columns])
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    with storage.replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float) -> str:
+    lines = ["## Chunked loss: 1x and the rise past it, per seed and mean", ""]
+    cells = rises.copy()
+    for column in cells.columns:
+        signed = column != "1x"  # differences carry their sign
+        cells[column] = cells[column].map(lambda v, signed=signed: f"{v:+.3f}" if signed else f"{v:.3f}")
+    lines.append(report.markdown_table(cells.reset_index()))
+    table = fixed.copy()
+    table.columns = [str(c) for c in table.columns]
+    table = table.map(lambda v: "" if pd.isna(v) else f"{v:.3f}")
+    table["longest - L"] = verdicts(fixed, flat_within)
+    lines += ["", f"## Fixed targets placed L/2 into windows of every length (mean of seeds; flat within "
+              f"{flat_within} nats)", "", report.markdown_table(table.reset_index())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS.results or not FLAGS.models:
+        raise app.UsageError("give --results (one or more) and --models")
+    models = FLAGS.models + ([FLAGS.baseline] if FLAGS.baseline and FLAGS.baseline not in FLAGS.models else [])
+    records = load(FLAGS.results, models)
+    rises, fixed = chunked_rises(records, FLAGS.baseline), fixed_targets(records)
+    text = markdown(rises, fixed, FLAGS.flat_within)
+    print(text)
+    if FLAGS.out:
+        storage.write_text(os.path.join(FLAGS.out, "compare.md"), text)
+        plot(fixed, os.path.join(FLAGS.out, "fixed_targets.png"))
+
+
+if __name__ == "__main__":
+    from deberta_jax.data import errors
+
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.compare"))

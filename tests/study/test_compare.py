@@ -1,0 +1,71 @@
+"""Comparing models across studies' results files, seed by seed."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from deberta_jax.study import compare, report
+
+L = 64
+
+
+def records(model, seed, one_x, rises, fixed):
+    """Chunked loss at 1x and at each multiple (1x + rise), and fixed-target loss L/2 into windows of each length."""
+    base = dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=100, train_len=L, policy="none",
+                dataset="brown/valid", bucket="all", metric="loss", ci_low=None, ci_high=None, n_tokens=100)
+    out = [dict(base, multiple=1.0, protocol="chunked", offset=None, eval_len=L, value=one_x)]
+    out += [dict(base, multiple=float(m), protocol="chunked", offset=None, eval_len=L * m, value=one_x + r)
+            for m, r in rises.items()]
+    out += [dict(base, multiple=n / L, protocol="fixed_target", offset=L // 2, eval_len=n, value=v)
+            for n, v in fixed.items()]
+    out += [dict(base, multiple=2.0, protocol="fixed_target", offset=0, eval_len=2 * L, value=99.0)]  # another offset
+    return out
+
+
+@pytest.fixture
+def studies(tmp_path):
+    first = records("plain", 0, 3.70, {2: 0.1, 4: 0.5}, {64: 4.0, 128: 4.2, 256: 4.5})
+    first += records("plain", 1, 3.80, {2: 0.2, 4: 0.7}, {64: 4.0, 128: 4.2, 256: 4.5})
+    second = records("recipe", 0, 3.71, {2: -0.05, 4: -0.10}, {64: 4.0, 128: 3.95, 256: 3.9})
+    second += records("recipe", 1, 3.82, {2: -0.03, 4: -0.12}, {64: 4.0, 128: 3.99, 256: 3.99})
+    report.write_results(first, [], str(tmp_path / "far"))
+    report.write_results(second, [], str(tmp_path / "past"))
+    return [str(tmp_path / "far" / report.RESULTS_FILE), str(tmp_path / "past" / report.RESULTS_FILE)]
+
+
+def test_rises_and_costs_are_per_seed_then_averaged(studies):
+    rises = compare.chunked_rises(compare.load(studies, ["plain", "recipe"]), baseline="plain")
+    recipe = rises.xs(("brown/valid", "recipe"))
+    assert recipe.loc[1, "1x vs baseline"] == pytest.approx(0.02)  # against the baseline's own seed 1
+    assert recipe.loc["mean", "1x vs baseline"] == pytest.approx(0.015)
+    assert recipe.loc["mean", "rise 4x"] == pytest.approx(-0.11)
+    assert rises.xs(("brown/valid", "plain")).loc["mean", "rise 2x"] == pytest.approx(0.15)
+
+
+def test_fixed_targets_say_whether_the_extra_keys_help(studies):
+    fixed = compare.fixed_targets(compare.load(studies, ["plain", "recipe"]))
+    verdict = compare.verdicts(fixed, flat_within=0.02)
+    assert verdict[("brown/valid", "plain")] == "+0.500: rises"
+    assert verdict[("brown/valid", "recipe")] == "-0.055: falls"
+    assert compare.verdicts(fixed, flat_within=0.06)[("brown/valid", "recipe")] == "-0.055: flat"
+
+
+def test_a_model_in_two_files_or_in_none_is_refused(studies, tmp_path):
+    copy = tmp_path / "copy.json.gz"
+    shutil.copy(studies[0], copy)
+    with pytest.raises(ValueError, match="appear in more than one results file"):
+        compare.load([studies[0], str(copy)], ["plain"])
+    with pytest.raises(ValueError, match="--models: absent not in .*; their labels: plain, recipe"):
+        compare.load(studies, ["plain", "absent"])
+
+
+def test_the_command_writes_the_tables_and_the_plot(studies, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.compare", "--results", studies[0], "--results",
+                             studies[1], "--models", "recipe", "--baseline", "plain", "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "out" / "compare.md").read_text()
+    assert "| brown/valid | recipe | mean | 3.765 | +0.015 | -0.040 | -0.110 |" in text
+    assert (tmp_path / "out" / "fixed_targets.png").stat().st_size > 1000
