@@ -364,16 +364,20 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
 
 
 def trained_table(runs: list[dict]) -> str:
-    """A table of what each run trained on, from its own config.json: its training text and every model field that
-    differs between the runs (the sweep's configuration, below, is what it gives runs now)."""
+    """A table of what each run trained on, from its own config.json: its training text and length, and every model,
+    data and training field that differs between the runs (a recipe such as a long final phase, a changed step
+    count), the seed aside; the sweep's configuration, below, is what it gives runs now. A field missing from a
+    run's config (written before the field existed) shows as "-"."""
     configs = [checkpoint.read_config(run["workdir"]) for run in runs]
     # Model fields added since a workdir was written hold their defaults, which is what it trained with.
-    models = [flatten(ModelConfig.from_dict(config.model.to_dict()).to_dict()) for config in configs]
-    fields = sorted(key for key in set().union(*models) if len({repr(m.get(key)) for m in models}) > 1)
-    rows = [["run", "data.train_files", "data.seq_len", *(f"model.{f}" for f in fields)],
-            ["---"] * (3 + len(fields))]
-    rows += [[run["name"], config.data.train_files, config.data.seq_len, *(model.get(f) for f in fields)]
-             for run, config, model in zip(runs, configs, models)]
+    fields = [{**flatten(ModelConfig.from_dict(config.model.to_dict()).to_dict(), "model."),
+               **flatten(config.data.to_dict(), "data."), **flatten(config.train.to_dict(), "train.")}
+              for config in configs]
+    shown = ("data.train_files", "data.seq_len")
+    differing = sorted(key for key in set().union(*fields)
+                       if key not in shown and len({repr(f.get(key)) for f in fields}) > 1)
+    rows = [["run", *shown, *differing], ["---"] * (1 + len(shown) + len(differing))]
+    rows += [[run["name"], *(f.get(key, "-") for key in (*shown, *differing))] for run, f in zip(runs, fields)]
     return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
 
 

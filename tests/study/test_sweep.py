@@ -184,17 +184,20 @@ def test_a_runs_cached_evaluation_is_redone_for_other_study_settings_or_another_
 
 
 def test_the_report_states_what_each_run_trained_from_its_own_config(tmp_path):
-    """Not the sweep's config now: each run's training text and the model fields that differ between runs."""
+    """Not the sweep's config now: each run's training text and the fields that differ between runs, the model's
+    and a training recipe's alike; not the seed."""
     runs = []
-    for name, hidden, train_files in (("a-L16-s0", 32, "old/train.txt"), ("b-L16-s0", 48, "new/train.txt")):
+    for seed, (name, hidden, train_files, long_steps) in enumerate(
+            (("a-L16-s0", 32, "old/train.txt", 0), ("b-L16-s0", 48, "new/train.txt", 20))):
         config = variant_config(ablation.get_config("smoke").variants[0], "micro")
-        config.update_from_flattened_dict({"model.hidden_size": hidden, "data.train_files": train_files})
+        config.update_from_flattened_dict({"model.hidden_size": hidden, "data.train_files": train_files, "seed": seed,
+                                           "train.long_steps": long_steps})
         checkpoint.write_config(tmp_path / name, config)
         runs.append(dict(name=name, workdir=str(tmp_path / name)))
     table = sweep.trained_table(runs).splitlines()
-    assert table[0] == "| run | data.train_files | data.seq_len | model.hidden_size |"
-    assert table[2:] == [f"| a-L16-s0 | old/train.txt | {config.data.seq_len} | 32 |",
-                         f"| b-L16-s0 | new/train.txt | {config.data.seq_len} | 48 |"]
+    assert table[0] == "| run | data.train_files | data.seq_len | model.hidden_size | train.long_steps |"
+    assert table[2:] == [f"| a-L16-s0 | old/train.txt | {config.data.seq_len} | 32 | 0 |",
+                         f"| b-L16-s0 | new/train.txt | {config.data.seq_len} | 48 | 20 |"]
 
 
 @pytest.mark.long
