@@ -25,17 +25,38 @@ DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 
 
+# What a manual launch sets on every process (`initialize_distributed`).
+LAUNCH_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
 def initialize_distributed(requested: bool) -> None:
     """Joins a multi-process run when asked to (`requested`, the entry points' --multiprocess) or when
     JAX_COORDINATOR_ADDRESS is set; a no-op otherwise.
 
     `jax.distributed.initialize()` detects TPU pods, SLURM, Open MPI and Kubernetes by itself; a manual
-    launch sets JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
+    launch sets JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process. Where
+    neither gives the run's processes, raises ValueError naming what is missing.
     """
     if not (requested or os.environ.get("JAX_COORDINATOR_ADDRESS")):
         return
-    env_int = lambda name: int(os.environ[name]) if name in os.environ else None  # noqa: E731
-    jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"), process_id=env_int("JAX_PROCESS_ID"))
+    launch = ("set JAX_COORDINATOR_ADDRESS=host:port (process 0's), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every "
+              "process")
+    numbers = {}
+    for name in LAUNCH_VARIABLES[1:]:
+        try:
+            numbers[name] = int(os.environ[name]) if name in os.environ else None
+        except ValueError:
+            raise ValueError(f"{name}={os.environ[name]!r} is not a whole number; {launch}") from None
+    try:
+        jax.distributed.initialize(num_processes=numbers["JAX_NUM_PROCESSES"], process_id=numbers["JAX_PROCESS_ID"])
+    except ValueError as err:  # jax's "coordinator_address should be defined." and its kin
+        if "defined" not in str(err):
+            raise
+        why = "--multiprocess" if requested else "JAX_COORDINATOR_ADDRESS (set, so this is a multi-process run)"
+        missing = [name for name in LAUNCH_VARIABLES if not os.environ.get(name)]
+        raise ValueError(f"{why} found no cluster to join: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         "not set and no Cloud TPU pod, SLURM (srun), Open MPI (mpirun) or Kubernetes indexed Job was "
+                         f"detected; {launch}") from None
 
 
 def make_mesh(fsdp: int = 1, devices=None) -> Mesh:

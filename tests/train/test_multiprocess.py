@@ -5,7 +5,8 @@ What must hold across topologies: the same config gives the same run on 1 proces
 dropout are functions of (seed, step, global row)); a checkpoint saved by 2 processes resumes on 1 and one
 saved by 1 resumes on 2, with parameters replicated or split (FSDP); only process 0 writes metrics; both processes
 use the tokenizer process 0 trained; both processes preparing one data cache at once leave one intact cache;
-`eval.py` over 2 processes gives the single-process records.
+`eval.py` over 2 processes gives the single-process records. `--multiprocess` without a cluster to join is one line
+naming what to set.
 """
 
 import json
@@ -22,7 +23,7 @@ from flax import nnx
 import train
 from configs import deberta
 from deberta_jax.study import report
-from deberta_jax.train import checkpoint, metrics_io
+from deberta_jax.train import checkpoint, metrics_io, sharding
 from tests.helpers import REPO, write_brown_slices
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -159,3 +160,22 @@ def test_length_evaluation_on_two_processes_equals_one(corpus, single_process_ru
             assert (a[key] is None) == (b[key] is None)
             if a[key] is not None:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-12, atol=1e-12, err_msg=str(a))
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({}, "train.py: --multiprocess found no cluster to join: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+         "JAX_PROCESS_ID are not set and no Cloud TPU pod, SLURM (srun), Open MPI (mpirun) or Kubernetes indexed Job "
+         "was detected; set JAX_COORDINATOR_ADDRESS=host:port (process 0's), JAX_NUM_PROCESSES and JAX_PROCESS_ID on "
+         "every process"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_ID": "0"},
+     "train.py: --multiprocess found no cluster to join: JAX_NUM_PROCESSES is not set"),
+    ({"JAX_NUM_PROCESSES": "two"}, "train.py: JAX_NUM_PROCESSES='two' is not a whole number; set "
+                                   "JAX_COORDINATOR_ADDRESS=host:port"),
+], ids=["nothing set", "no process count", "not a number"])
+def test_multiprocess_without_the_runs_processes_is_one_line(environment, message, tmp_path):
+    env = {name: value for name, value in os.environ.items() if name not in sharding.LAUNCH_VARIABLES}
+    result = subprocess.run([sys.executable, "train.py", "--multiprocess", "--config", "configs/deberta.py:micro",
+                             "--workdir", str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                            env=dict(env, JAX_PLATFORMS="cpu", **environment), timeout=240)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "shows where it was raised" not in line]
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(message), result.stderr
