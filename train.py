@@ -18,7 +18,8 @@ JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every
 
 The workdir may be in object storage (`--workdir gs://bucket/run`), the one place every host of a pod can
 write and every later host can restore from. SIGTERM (a preemption notice) makes every process save a
-checkpoint at the same step and exit with status 143 (`deberta_jax.train.preemption`).
+checkpoint at the same step and exit with status 143 (`deberta_jax.train.preemption`). A process that dies or hangs
+stops the others of its run, each with one line and status 75 (`deberta_jax.train.peers`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
 from deberta_jax.storage import deadlines
-from deberta_jax.train import checkpoint, config_checks, metrics_io, preemption, sharding, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, metrics_io, peers, preemption, sharding, workdir_lock
 from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
@@ -156,13 +157,15 @@ def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
 def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
     """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the metrics logged at the last
     step (none where a stop falls between two records).
-    Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM."""
+    Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM. In a multi-process run, a
+    process that stops responding ends this one with one line and `peers.EXIT_CODE`."""
     workdir = storage.path(workdir)
-    storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
-    storage.check_checkpoints(workdir, "--workdir")
-    # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
-    with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
-        return _train(config, workdir, stop_at_step)
+    with peers.Watch("train.py", workdir) as progress:  # from the moment jax.distributed has joined the processes
+        storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
+        storage.check_checkpoints(workdir, "--workdir")
+        # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
+        with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
+            return _train(config, workdir, stop_at_step, progress)
 
 
 def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
@@ -230,7 +233,8 @@ def evaluator(evals: list[dict], eval_step, batch_sharding):
     return evaluate
 
 
-def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None) -> dict:
+def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None,
+           progress: peers.Watch) -> dict:
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
@@ -264,6 +268,9 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     # ------------------------------------------------------------------ checkpoint: resume or initialize
     manager, state = resume_or_initialize(workdir, run, programs, keep=train_cfg.keep_checkpoints)
     start_step = int(state.step)
+    checkpoints = str(workdir / checkpoint.CHECKPOINT_DIR)
+    if start_step:
+        progress.saved(start_step)
     if is_main:
         tokenizer_lib.save_tokenizer(tokenizer, workdir / checkpoint.TOKENIZER_FILE)
         checkpoint.write_config(workdir, run)
@@ -282,13 +289,14 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     def check_pending_steps():
         latest = manager.latest_step()
         check_steps(pending, "no checkpoint was saved before it" if latest is None else
-                    f"the last good checkpoint is step {latest} in {workdir / checkpoint.CHECKPOINT_DIR}")
+                    f"the last good checkpoint is step {latest} in {checkpoints}")
 
     previous_phase = None
     watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
     failed = False
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
+            progress.step = step
             phase = row_lengths.phase_at(step - 1, train_cfg.num_steps, train_cfg.long_steps, short_phase, long_phase)
             rows = batches.train_batch(
                 phase.rows, masker, batch_size=phase.batch_size, step=step - 1, seed=config.seed,
@@ -329,9 +337,11 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
             if saving:
                 check_pending_steps()
                 pending = jax.device_get(pending)
+                progress.saving(step)
                 checkpoint.save(manager, state, eval_metrics, log_window=pending)
+                progress.saved(step)
             if preempted and not final:
-                raise preemption.Preempted(step, str(workdir / checkpoint.CHECKPOINT_DIR))
+                raise preemption.Preempted(step, checkpoints)
             if record or saving:  # time only training steps
                 timer_start, timer_steps = time.perf_counter(), 0
     except preemption.Preempted:  # a stop, not a failure

@@ -114,6 +114,13 @@ def has_checkpoints(workdir: str | Path) -> bool:
     return root.is_dir() and any(p.name.isdigit() for p in root.iterdir())
 
 
+def is_committed(workdir: str | Path, step: int) -> bool:
+    """Whether the checkpoint of `step` in `workdir` is committed: its folder renamed into place (a disk) or holding
+    orbax's `commit_success.txt` (a bucket). Read from storage, for a process that cannot ask a save's outcome."""
+    step_dir = storage.path(workdir) / CHECKPOINT_DIR / str(step)
+    return (step_dir / "commit_success.txt").exists() if storage.is_remote(step_dir) else step_dir.is_dir()
+
+
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> storage.AnyPath:
     return storage.path(manager.directory) / str(step)
 

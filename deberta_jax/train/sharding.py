@@ -35,10 +35,12 @@ def initialize_distributed(requested: bool) -> None:
 
     `jax.distributed.initialize()` detects TPU pods, SLURM, Open MPI and Kubernetes by itself; a manual
     launch sets JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process. Where
-    neither gives the run's processes, raises ValueError naming what is missing.
+    neither gives the run's processes, raises ValueError naming what is missing. jax's heartbeat timeout is
+    `peers.JAX_HEARTBEAT_TIMEOUT_S` (see `peers`).
     """
     if not (requested or os.environ.get("JAX_COORDINATOR_ADDRESS")):
         return
+    from deberta_jax.train import peers  # here: peers imports checkpoint, which imports this module
     launch = ("set JAX_COORDINATOR_ADDRESS=host:port (process 0's), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every "
               "process")
     numbers = {}
@@ -48,7 +50,8 @@ def initialize_distributed(requested: bool) -> None:
         except ValueError:
             raise ValueError(f"{name}={os.environ[name]!r} is not a whole number; {launch}") from None
     try:
-        jax.distributed.initialize(num_processes=numbers["JAX_NUM_PROCESSES"], process_id=numbers["JAX_PROCESS_ID"])
+        jax.distributed.initialize(num_processes=numbers["JAX_NUM_PROCESSES"], process_id=numbers["JAX_PROCESS_ID"],
+                                   heartbeat_timeout_seconds=peers.JAX_HEARTBEAT_TIMEOUT_S)
     except ValueError as err:  # jax's "coordinator_address should be defined." and its kin
         if "defined" not in str(err):
             raise

@@ -5,15 +5,19 @@ What must hold across topologies: the same config gives the same run on 1 proces
 dropout are functions of (seed, step, global row)); a checkpoint saved by 2 processes resumes on 1 and one
 saved by 1 resumes on 2, with parameters replicated or split (FSDP); only process 0 writes metrics; both processes
 use the tokenizer process 0 trained; both processes preparing one data cache at once leave one intact cache;
-`eval.py` over 2 processes gives the single-process records. `--multiprocess` without a cluster to join is one line
-naming what to set.
+`eval.py` over 2 processes gives the single-process records. A process that dies or hangs ends the other within a
+bounded time in one line (process 0's death: jax's own ending, see `peers`), and the same command resumes;
+`--multiprocess` without a cluster to join is one line naming what to set.
 """
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -61,21 +65,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str, args: list[str], log_dir, num_processes: int = 2) -> list[str]:
-    """Runs `script` as `num_processes` processes of one `jax.distributed` job (a plain process for 1);
-    returns their logs.
+def start(script: str, args: list[str], log_dir, num_processes: int = 2) -> tuple[list[subprocess.Popen], list]:
+    """Starts `script` as `num_processes` processes of one `jax.distributed` job (a plain process for 1); returns
+    them and their log files.
 
     Logs go to files, not pipes: a process blocked on a full pipe would stall the other at the next barrier.
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     if num_processes > 1:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES=str(num_processes))
-    logs = [log_dir / f"{os.path.basename(script)}-{num_processes}-{i}.log" for i in range(num_processes)]
+    launched = time.monotonic_ns()
+    logs = [log_dir / f"{os.path.basename(script)}-{num_processes}-{i}-{launched}.log" for i in range(num_processes)]
     processes = []
     for i, log in enumerate(logs):
         with open(log, "w") as f:
             processes.append(subprocess.Popen([sys.executable, script, *args], cwd=REPO, stdout=f, stderr=f,
                                               env=dict(env, JAX_PROCESS_ID=str(i))))
+    return processes, logs
+
+
+def launch(script: str, args: list[str], log_dir, num_processes: int = 2) -> list[str]:
+    """Runs `script` as `num_processes` processes (`start`) to their end; returns their logs."""
+    processes, logs = start(script, args, log_dir, num_processes)
     try:
         codes = [p.wait(timeout=300) for p in processes]
     finally:
@@ -160,6 +171,88 @@ def test_length_evaluation_on_two_processes_equals_one(corpus, single_process_ru
             assert (a[key] is None) == (b[key] is None)
             if a[key] is not None:
                 np.testing.assert_allclose(b[key], a[key], rtol=1e-12, atol=1e-12, err_msg=str(a))
+
+
+def committed_steps(workdir) -> list[int]:
+    """The steps checkpointed in a local workdir: orbax renames a step's folder into place when it commits."""
+    root = workdir / checkpoint.CHECKPOINT_DIR
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+def wait_for(condition, processes, logs, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        texts = "\n\n".join(log.read_text()[-3000:] for log in logs)
+        assert all(p.poll() is None for p in processes), "a process ended early:\n" + texts
+        assert time.monotonic() < deadline, texts
+        time.sleep(0.1)
+
+
+def fault(signum, victim: int, processes, logs, workdir, after_step: int) -> tuple[int, float, str]:
+    """Sends `signum` to process `victim` once a checkpoint past `after_step` is committed, while the run goes on;
+    returns the other's exit status, the seconds from the signal to its end, and its log. The victim is then killed."""
+    wait_for(lambda: any(step > after_step for step in committed_steps(workdir)), processes, logs)
+    processes[victim].send_signal(signum)
+    sent = time.monotonic()
+    survivor = processes[1 - victim]
+    try:
+        status = survivor.wait(timeout=120)
+    finally:
+        elapsed = time.monotonic() - sent
+        for p in processes:
+            p.kill()
+            p.wait()
+    return status, elapsed, logs[1 - victim].read_text()
+
+
+def resumed_step(text: str) -> int:
+    return int(re.search(r"resuming from the checkpoint at step (\d+)", text)[1])
+
+
+# The survivor's line when the other process stops responding.
+STOPPED = re.compile(r"^train\.py: process 1 stopped responding at step (\d+), so this one stopped too; the last good "
+                     r"checkpoint is step (\d+) in (\S+): rerun the same command on every host to resume from it$",
+                     re.MULTILINE)
+
+
+def test_a_process_that_dies_or_hangs_ends_the_other_in_one_line_and_the_same_command_resumes(corpus, tmp_path):
+    """Two processes, each fault once a checkpoint is committed mid-run, then the same command again:
+    1. process 1 stopped (SIGSTOP: hung, its connections open): process 0 ends on its silence, within
+       `peers.PEER_TIMEOUT_S` and a beat or two, with one line and status 75;
+    2. process 1 killed: process 0's next collective fails at once, and it ends within `peers.CONFIRM_S` and a beat or
+       two, the same way;
+    3. process 0 killed: jax's client ends process 1 within a second (SIGABRT, jax's own message: jax 0.10.2 lets no
+       Python code replace it, see `peers`);
+    after each, both processes rerun resume from the last committed checkpoint, the one the line names; the last rerun
+    finishes, logging every step once."""
+    cache, workdir = tmp_path / "cache", tmp_path / "run"
+    steps = 48
+    args = train_flags(corpus, workdir, cache, **{"train.num_steps": steps, "train.eval_every": steps})
+    last_good = None
+    for signum, victim, within_s in [(signal.SIGSTOP, 1, 30), (signal.SIGKILL, 1, 12), (signal.SIGKILL, 0, 5)]:
+        processes, logs = start("train.py", args, tmp_path)
+        status, elapsed, text = fault(signum, victim, processes, logs, workdir, after_step=last_good or 4)
+        if last_good is not None:
+            assert [resumed_step(log.read_text()) for log in logs] == [last_good] * 2
+        last_good = max(committed_steps(workdir))
+        if victim == 1:
+            assert status == 75, text[-3000:]
+            assert len(STOPPED.findall(text)) == 1, text[-3000:]
+            at_step, named, where = STOPPED.search(text).groups()
+            # Nothing is saved after the fault: the checkpoint the line names is the newest, committed before it.
+            assert int(named) == last_good <= int(at_step) < steps, text[-3000:]
+            assert where == str(workdir / checkpoint.CHECKPOINT_DIR)
+            assert "Traceback" not in text and "Fatal Python error" not in text, text[-3000:]
+        else:
+            assert status == -signal.SIGABRT, text[-3000:]
+            assert "Terminating process because the JAX distributed service detected fatal errors" in text
+        assert elapsed < within_s, (elapsed, text[-3000:])
+
+    texts = launch("train.py", args, tmp_path)
+    assert resumed_step(texts[0]) == last_good
+    assert not any("damaged" in text for text in texts)
+    assert [r["step"] for r in metrics_io.read_metrics(workdir)] == list(range(1, steps + 1))
+    assert max(committed_steps(workdir)) == steps
 
 
 @pytest.mark.parametrize("environment, message", [
