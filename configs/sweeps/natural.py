@@ -114,12 +114,18 @@ def _variants(arg: str) -> list:
 def past_variants(seq_len: int, steps: int) -> list:
     """The training-side recipes past the window (`deberta_jax.data.row_lengths`) for runs of `steps` at `seq_len`:
     the last 10% of the updates on rows 4x the training length (the same tokens per step), with and without the
-    learned temperature, and the learned temperature on rows cut to L/4-L tokens throughout."""
-    long = dict(train=dict(long_steps=steps // 10), data=dict(long_seq_len=4 * seq_len))
+    learned temperature; the learned temperature on rows cut to L/4-L tokens throughout; and the learned temperature
+    with a long phase whose rows are cut to L-4L or L-8L tokens (`-mixed`), so that the last updates still see
+    rows of L among the long ones."""
+    def long(multiple, **data):
+        return dict(train=dict(long_steps=steps // 10), data=dict(long_seq_len=multiple * seq_len, **data))
+
     mixed = dict(data=dict(min_row_length=seq_len // 4))
-    return [variants.variant(f"deberta-emd-long{4 * seq_len}", variants.DEBERTA, **long),
-            variants.variant(f"deberta-emd-learned-long{4 * seq_len}", variants.DEBERTA, **long, **_LEARNED),
-            variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED)]
+    return [variants.variant(f"deberta-emd-long{4 * seq_len}", variants.DEBERTA, **long(4)),
+            variants.variant(f"deberta-emd-learned-long{4 * seq_len}", variants.DEBERTA, **long(4), **_LEARNED),
+            variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED),
+            *(variants.variant(f"deberta-emd-learned-long{m * seq_len}-mixed", variants.DEBERTA,
+                               **long(m, min_row_length=seq_len), **_LEARNED) for m in (4, 8))]
 
 
 def get_config(arg: str = ""):
