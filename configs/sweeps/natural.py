@@ -59,6 +59,7 @@ of 32-128), scored to 16x, in runs/natural-scale beside `:scale`'s baseline; rep
 from ml_collections import config_dict
 
 from configs.sweeps import variants
+from deberta_jax.model.config import ModelConfig
 
 DEFAULT_DATA_DIR = "data"
 NAMES = ("bert", "nope", "deberta-emd")
@@ -125,7 +126,13 @@ def past_variants(seq_len: int, steps: int) -> list:
             variants.variant(f"deberta-emd-learned-long{4 * seq_len}", variants.DEBERTA, **long(4), **_LEARNED),
             variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED),
             *(variants.variant(f"deberta-emd-learned-long{m * seq_len}-mixed", variants.DEBERTA,
-                               **long(m, min_row_length=seq_len), **_LEARNED) for m in (4, 8))]
+                               **long(m, min_row_length=seq_len), **_LEARNED, **_room_for(m * seq_len))
+              for m in (4, 8))]
+
+
+def _room_for(length: int) -> dict:
+    """A relative model trains on rows of at most `max_position_embeddings` tokens: raised where `length` needs it."""
+    return dict(max_position_embeddings=length) if length > ModelConfig.max_position_embeddings else {}
 
 
 def get_config(arg: str = ""):
