@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import bert, deberta  # noqa: E402
-from deberta_jax.aot import analysis  # noqa: E402
 from deberta_jax.model.config import ModelConfig  # noqa: E402
+from deberta_jax.model.flops import model_flops  # noqa: E402
 from deberta_jax.train import optim, steps  # noqa: E402
 
 FAMILIES = {"bert": bert, "deberta": deberta}
@@ -77,13 +77,13 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
 
 def model_flops_per_token(cfg: ModelConfig, seq: int, batch: int, head_everywhere: bool = False) -> float:
     """Forward matmul FLOPs per token (2 per multiply-add) as the model's arithmetic defines them
-    (`deberta_jax.aot.analysis.model_flops`), with the MLM head on the `prediction_budget` positions only, or with
+    (`deberta_jax.model.flops.model_flops`), with the MLM head on the `prediction_budget` positions only, or with
     `head_everywhere` on every position, as transformers' models compute it (the convention of the "33 MFLOP per
     token" for BERT tiny at 128: FLOPs that the loss does not need, so an MFU counted with them flatters the step).
     Gathers, softmax and LayerNorm are not counted.
     """
     predicted = batch * seq if head_everywhere else steps.prediction_budget(batch * seq, MASK_PROB)
-    return analysis.model_flops(cfg, batch, seq, predicted, train=False) / (batch * seq)
+    return model_flops(cfg, batch, seq, predicted, train=False) / (batch * seq)
 
 
 def matmul_peak(n: int = 2048, dtype: str = "float32") -> Callable[[], float]:

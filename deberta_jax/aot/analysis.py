@@ -1,9 +1,9 @@
 """What a compiled program costs on a chip (a TPU chip or a GPU): memory per chip, FLOPs and bytes, a roofline step
 time and MFU.
 
-Everything here reads the compiled executable (`memory_analysis()`, `cost_analysis()`, the optimized HLO) except
-`model_flops`, the FLOPs the model needs by its own arithmetic, which MFU divides by (as PaLM's appendix B
-defines it: recomputation under remat is work the chip does but not work the model needs).
+Everything here reads the compiled executable (`memory_analysis()`, `cost_analysis()`, the optimized HLO); MFU
+divides by the FLOPs the model needs by its own arithmetic (`deberta_jax.model.flops`, as PaLM's appendix B defines
+them: recomputation under remat is work the chip does but not work the model needs).
 
 The roofline step time is the longest of three lower bounds, each a resource used at its published peak:
 compute (the program's FLOPs at the chip's bfloat16 peak), memory (its HBM bytes at the chip's bandwidth) and
@@ -13,7 +13,7 @@ unknown (None), so a GPU roofline is a floor set by compute and NVLink alone, wi
 analysis counts the body
 of a `while` loop once, and under wide FSDP the TPU compiler turns all-gathered matmuls into loops over the shards
 (collective matmuls, "windowed einsums"): on v5e:4x4 with fsdp=16 it reports a third of BERT-base's forward FLOPs.
-The compute bound therefore uses the larger of XLA's count and the model's own (`model_flops` per chip), and the
+The compute bound therefore uses the larger of XLA's count and the model's own (`flops.model_flops` per chip), and the
 loops are counted (`ProgramCost.loops`) so a report can say when bytes, too, are undercounted. A real step is
 slower: gathers and
 other element-wise work run on the vector unit, not the matrix unit the peak is quoted for; collectives overlap
@@ -26,8 +26,6 @@ import dataclasses
 import re
 
 from deberta_jax.aot.chips import GIB, JAX_GPU_MEMORY_FRACTION, Chip
-from deberta_jax.model import positions
-from deberta_jax.model.config import ModelConfig
 
 # Collectives of the optimized HLO and whether their result is a (operand, output) tuple (async starts).
 _COLLECTIVES = {"all-gather": False, "all-reduce": False, "reduce-scatter": False, "all-to-all": False,
@@ -151,30 +149,6 @@ def roofline(cost: ProgramCost, chip: Chip, model_flops_per_chip: float) -> Roof
     flops = max(cost.flops or 0.0, model_flops_per_chip)
     memory = None if cost.bytes_accessed is None else cost.bytes_accessed / chip.hbm_bandwidth
     return Roofline(compute_s=flops / chip.peak_flops, memory_s=memory, ici_s=ici, link=chip.link.lower())
-
-
-def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, train: bool) -> float:
-    """FLOPs the model needs for `rows` sequences of `seq_len` tokens with `predicted` positions through the MLM
-    head: matmuls only (2 per multiply-add), the backward pass twice the forward (`train`), no recomputation.
-
-    Per layer and sequence: the four projections and the MLP (`2N(4h^2 + 2hI)`), scores and context
-    (`4NKh` for the K keys each query sees: N, or `attention_window` of them, the pairs a windowed kernel computes),
-    and for DeBERTa each position term's product with the R reachable relative rows (`2NRh`) plus the projection
-    of those rows (`2Rh^2`, once per call). EMD runs the last layer `emd_layers` times instead
-    of once. The head: dense transform and tied decoder at the predicted positions (`2P(h^2 + hV)`).
-    """
-    h, n = cfg.hidden_size, seq_len
-    layers = cfg.num_layers - 1 + cfg.emd_layers if cfg.use_emd else cfg.num_layers
-    keys = min(cfg.attention_window, n) if cfg.attention_window else n
-    per_layer = rows * (2 * n * (4 * h * h + 2 * h * cfg.intermediate_size) + 4 * n * keys * h)
-    if cfg.attention == "disentangled" and cfg.pos_att_type:
-        lo, hi = positions.relative_rows_used(n, n, position_buckets=cfg.position_buckets,
-                                              max_relative_positions=cfg.max_relative_positions,
-                                              clamp=cfg.clamp_relative_positions)
-        terms = len(cfg.pos_att_type)
-        per_layer += terms * (rows * 2 * n * (hi - lo) * h + 2 * (hi - lo) * h * h)
-    forward = layers * per_layer + 2 * predicted * (h * h + h * cfg.vocab_size)
-    return 3 * forward if train else forward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from deberta_jax.aot import analysis
 from deberta_jax.aot.chips import GIB, JAX_GPU_MEMORY_FRACTION, MAX_GPUS_PER_NODE, Target
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.model.flops import model_flops
 from deberta_jax.study import length_study, scoring
 from deberta_jax.train import config_checks, sharding, steps
 from deberta_jax.train import programs as run_programs
@@ -104,12 +105,12 @@ def compile_run(config: config_dict.ConfigDict, tpu: Target, *, programs: Sequen
     if "train" in programs:
         reports.append(_compile(
             "train step", lambda: run.train_step.lower(state, batch), tpu, num_chips=tpu.num_chips,
-            tokens=rows * seq_len, flops=analysis.model_flops(model_config, rows, seq_len, budget * accum, train=True)))
+            tokens=rows * seq_len, flops=model_flops(model_config, rows, seq_len, budget * accum, train=True)))
     if "eval" in programs:
         eval_budget = groups * steps.prediction_budget(rows * seq_len // groups, config.data.mask_prob)
         reports.append(_compile(
             "eval step", lambda: run.eval_step.lower(state.params, batch), tpu, num_chips=tpu.num_chips,
-            tokens=rows * seq_len, flops=analysis.model_flops(model_config, rows, seq_len, eval_budget, train=False)))
+            tokens=rows * seq_len, flops=model_flops(model_config, rows, seq_len, eval_budget, train=False)))
     if "length" in programs:
         eval_len = seq_len * length_multiple
         for kernel in length_kernels:
@@ -134,7 +135,7 @@ def _compile_length_forward(model_config: ModelConfig, kernel: str, method: str 
             f"attention_temperature={model_config.attention_temperature!r}); eval.py skips it too"))
     rows = max(1, tokens_per_batch // eval_len)
     targets = scoring.scored_count(rows * eval_len, 0)
-    flops = analysis.model_flops(cfg, rows, eval_len, targets, train=False)
+    flops = model_flops(cfg, rows, eval_len, targets, train=False)
     foreign, why = _FOREIGN_KERNEL[tpu.platform]
     if kernel == foreign:
         return analysis.ProgramReport(name, tpu.chip, 1, rows * eval_len, flops, 0.0, error=why)

@@ -7,7 +7,7 @@ The length recipes (`deberta_jax.data.row_lengths`) change what a step computes 
 phase computes rows 4x as long (the attention and relative-position products grow with the length, the rest does
 not), and mixed row lengths compute full rows of which only `(min_row_length + seq_len) / 2` tokens are real on
 average. So a recipe's cost is its FLOPs over the tokens it trained on, not its steps. Each step is counted as the
-compiled train step computes it (`aot.analysis.model_flops` with the MLM head's static prediction budget,
+compiled train step computes it (`model.flops.model_flops` with the MLM head's static prediction budget,
 `train.steps.prediction_budget`, which is the same whatever the rows hold), and compared with the same run trained
 on full rows of its training length throughout.
 """
@@ -20,13 +20,17 @@ from absl import app, flags
 from ml_collections import config_dict
 
 from deberta_jax import storage
-from deberta_jax.aot import analysis
 from deberta_jax.data import errors, row_lengths
 from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.flops import model_flops
 from deberta_jax.train import checkpoint, steps
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("workdir", [], "A training workdir (its config.json); repeat for more.")
+
+
+def define_flags() -> None:
+    """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
+    flags.DEFINE_multi_string("workdir", [], "A training workdir (its config.json); repeat for more.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,7 @@ def run_cost(run: config_dict.ConfigDict) -> Cost:
     flops = tokens = 0.0
     for length, batch, count in phases:
         budget = steps.prediction_budget(batch * length, run.data.mask_prob)
-        flops += count * analysis.model_flops(model, batch, length, budget, train=True)
+        flops += count * model_flops(model, batch, length, budget, train=True)
         kept = (min_row + length) / 2 if min_row else length  # the mean of a uniform draw in [min_row, length]
         tokens += count * batch * kept
     return Cost(flops, tokens)
@@ -85,4 +89,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(errors.reporting_user_errors(main, "deberta_jax.study.training_cost"))

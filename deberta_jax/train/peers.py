@@ -15,14 +15,14 @@ and jax ends a process that loses the store with its own message). Nothing is sa
 collective failed never reaches a save, and a save cut short is never committed, so the rerun resumes from the last
 checkpoint committed before the death.
 
-jax's own heartbeat (`JAX_HEARTBEAT_TIMEOUT_S`, passed to `jax.distributed.initialize`) is longer than ours, so a
-dead peer is named by this line first. What jax 0.10.2 does not let this module word: the death of process 0. Its
-coordination service dies with it, and jax's client in every other process ends that process (exit status 134,
-SIGABRT) as soon as it sees the service gone, with `Terminating process because the JAX distributed service detected
-fatal errors` and a stack dump; the hook that would replace that ending, the client's `missed_heartbeat_callback`,
-cannot be given a Python function (jax passes it an absl::Status, which has no Python type, so the call ends in
-std::bad_cast). It is bounded all the same: under a second when process 0's connections close (the process died, its
-host is up), `JAX_HEARTBEAT_TIMEOUT_S` when its host vanishes silently.
+jax's own heartbeat (`sharding.JAX_HEARTBEAT_TIMEOUT_S`, passed to `jax.distributed.initialize`) is longer than
+ours, so a dead peer is named by this line first. What jax 0.10.2 does not let this module word: the death of
+process 0. Its coordination service dies with it, and jax's client in every other process ends that process (exit
+status 134, SIGABRT) as soon as it sees the service gone, with `Terminating process because the JAX distributed
+service detected fatal errors` and a stack dump; the hook that would replace that ending, the client's
+`missed_heartbeat_callback`, cannot be given a Python function (jax passes it an absl::Status, which has no Python
+type, so the call ends in std::bad_cast). It is bounded all the same: under a second when process 0's connections
+close (the process died, its host is up), `sharding.JAX_HEARTBEAT_TIMEOUT_S` when its host vanishes silently.
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ BEAT_S = 1.0
 PEER_TIMEOUT_S = 20.0
 # After an error of its own (a collective whose peer is gone), a process concludes on a shorter silence.
 CONFIRM_S = 5.0
-# jax's heartbeat timeout: longer than ours, so that this module's line comes first; it bounds a silent loss of
-# process 0 (module docstring).
-JAX_HEARTBEAT_TIMEOUT_S = 45
 # How long the line may wait for storage to say whether a save under way had committed (`Watch._resume`).
 COMMIT_CHECK_S = 5.0
 

@@ -27,6 +27,9 @@ FSDP_AXIS = "fsdp"
 
 # What a manual launch sets on every process (`initialize_distributed`).
 LAUNCH_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+# jax's heartbeat timeout (100 s by default): longer than `peers.PEER_TIMEOUT_S`, so that the peers' one line comes
+# first; it bounds a silent loss of process 0, which ends the coordination service (`peers`).
+JAX_HEARTBEAT_TIMEOUT_S = 45
 
 
 def initialize_distributed(requested: bool) -> None:
@@ -35,12 +38,10 @@ def initialize_distributed(requested: bool) -> None:
 
     `jax.distributed.initialize()` detects TPU pods, SLURM, Open MPI and Kubernetes by itself; a manual
     launch sets JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process. Where
-    neither gives the run's processes, raises ValueError naming what is missing. jax's heartbeat timeout is
-    `peers.JAX_HEARTBEAT_TIMEOUT_S` (see `peers`).
+    neither gives the run's processes, raises ValueError naming what is missing.
     """
     if not (requested or os.environ.get("JAX_COORDINATOR_ADDRESS")):
         return
-    from deberta_jax.train import peers  # here: peers imports checkpoint, which imports this module
     launch = ("set JAX_COORDINATOR_ADDRESS=host:port (process 0's), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every "
               "process")
     numbers = {}
@@ -51,7 +52,7 @@ def initialize_distributed(requested: bool) -> None:
             raise ValueError(f"{name}={os.environ[name]!r} is not a whole number; {launch}") from None
     try:
         jax.distributed.initialize(num_processes=numbers["JAX_NUM_PROCESSES"], process_id=numbers["JAX_PROCESS_ID"],
-                                   heartbeat_timeout_seconds=peers.JAX_HEARTBEAT_TIMEOUT_S)
+                                   heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S)
     except ValueError as err:  # jax's "coordinator_address should be defined." and its kin
         if "defined" not in str(err):
             raise

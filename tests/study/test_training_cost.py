@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from configs import deberta
-from deberta_jax.aot import analysis
 from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.flops import model_flops
 from deberta_jax.study import training_cost
 from deberta_jax.train import steps
 from deberta_jax.train.config_checks import resolved, validate
@@ -30,8 +30,8 @@ def test_mixed_rows_cost_their_padding():
 def test_a_long_phase_trains_the_same_tokens_at_its_own_length():
     run = run_config(**{"train.long_steps": 25, "data.long_seq_len": 128})
     cost, model = training_cost.run_cost(run), ModelConfig.from_dict(run.model.to_dict())
-    short = analysis.model_flops(model, 8, 32, steps.prediction_budget(256, 0.15), train=True)
-    long = analysis.model_flops(model, 2, 128, steps.prediction_budget(256, 0.15), train=True)
+    short = model_flops(model, 8, 32, steps.prediction_budget(256, 0.15), train=True)
+    long = model_flops(model, 2, 128, steps.prediction_budget(256, 0.15), train=True)
     assert long > short  # the attention's share grows with the length
     assert cost.flops == pytest.approx(75 * short + 25 * long)
     assert cost.tokens == 100 * 8 * 32

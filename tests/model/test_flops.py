@@ -1,10 +1,10 @@
-"""`analysis.model_flops`, the count MFU divides by: a hand count for tiny configs, and training at exactly three
+"""`model.flops.model_flops`, the count MFU divides by: a hand count for tiny configs, and training at exactly three
 forwards (the backward pass is two: one product for the inputs' gradient and one for the weights')."""
 
 import pytest
 
-from deberta_jax.aot import analysis
 from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.flops import model_flops
 
 TINY = dict(vocab_size=32, hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16, max_position_embeddings=8)
 ROWS, N, PREDICTED = 2, 4, 3
@@ -32,11 +32,11 @@ def hand_count(h, i, v, layers, position_terms=0, reachable_rows=0, keys=N):
 ])
 def test_forward_flops_match_a_hand_count(changes, expected):
     cfg = ModelConfig(**TINY, **changes)
-    assert analysis.model_flops(cfg, ROWS, N, PREDICTED, train=False) == expected
+    assert model_flops(cfg, ROWS, N, PREDICTED, train=False) == expected
 
 
 def test_a_training_step_is_exactly_three_forwards():
     cfg = ModelConfig(**TINY, position_buckets=0, max_relative_positions=8)
-    forward = analysis.model_flops(cfg, ROWS, N, PREDICTED, train=False)
+    forward = model_flops(cfg, ROWS, N, PREDICTED, train=False)
     assert forward == 27520  # = hand_count(8, 16, 32, 2, 2, 7), written out
-    assert analysis.model_flops(cfg, ROWS, N, PREDICTED, train=True) == 3 * forward == 82560
+    assert model_flops(cfg, ROWS, N, PREDICTED, train=True) == 3 * forward == 82560
