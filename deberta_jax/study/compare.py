@@ -34,13 +34,18 @@ from deberta_jax import storage  # noqa: E402
 from deberta_jax.study import report  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("results", [], "A study's results file (results.json.gz); repeat for more.")
-flags.DEFINE_list("models", [], "Model labels to compare, as the results files name them (e.g. deberta-emd-L64, "
-                  "deberta-emd-L64+window).")
-flags.DEFINE_string("baseline", None, "The label whose 1x loss each model's 1x loss is compared with, seed by seed.")
-flags.DEFINE_float("flat_within", 0.02, "Fixed targets: a change within this many nats from the window of L to the "
-                   "longest window counts as flat.")
-flags.DEFINE_string("out", None, "Folder for compare.md and fixed_targets.png (local or gs://...).")
+
+
+def define_flags() -> None:
+    """The command line's flags, defined only when run as a program (eval.py's --out must not clash)."""
+    flags.DEFINE_multi_string("results", [], "A study's results file (results.json.gz); repeat for more.")
+    flags.DEFINE_list("models", [], "Model labels to compare, as the results files name them (e.g. deberta-emd-L64, "
+                      "deberta-emd-L64+window).")
+    flags.DEFINE_string("baseline", None,
+                        "The label whose 1x loss each model's 1x loss is compared with, seed by seed.")
+    flags.DEFINE_float("flat_within", 0.02, "Fixed targets: a change within this many nats from the window of L to the "
+                       "longest window counts as flat.")
+    flags.DEFINE_string("out", None, "Folder for compare.md and fixed_targets.png (local or gs://...).")
 
 
 def load(paths: list[str], models: list[str]) -> pd.DataFrame:
@@ -143,4 +148,5 @@ def main(argv):
 if __name__ == "__main__":
     from deberta_jax.data import errors
 
+    define_flags()
     app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.compare"))
