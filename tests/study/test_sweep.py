@@ -204,7 +204,8 @@ def test_the_report_states_what_each_run_trained_from_its_own_config(tmp_path):
 def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_path, monkeypatch):
     plan = ablation.get_config("smoke")
     plan.workdir_root, plan.report_dir = str(tmp_path / "runs"), str(tmp_path / "report")
-    plan.config_path = "configs/sweeps/ablation.py:smoke"
+    # Absolute: the test changes directory below, which a sweep process never does.
+    plan.config_path = f"{REPO}/configs/sweeps/ablation.py:smoke"
     for name in ("brown/valid.txt", "wikitext-2/test.txt"):  # the eval files under the sweep's data_dir
         (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / name).symlink_to(corpus / "valid.txt")
