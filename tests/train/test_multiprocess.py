@@ -219,8 +219,9 @@ def test_a_process_that_dies_or_hangs_ends_the_other_in_one_line_and_the_same_co
     """Two processes, each fault once a checkpoint is committed mid-run, then the same command again:
     1. process 1 stopped (SIGSTOP: hung, its connections open): process 0 ends on its silence, within
        `peers.PEER_TIMEOUT_S` and a beat or two, with one line and status 75;
-    2. process 1 killed: process 0's next collective fails at once, and it ends within `peers.CONFIRM_S` and a beat or
-       two, the same way;
+    2. process 1 killed: the same way, usually within `peers.CONFIRM_S` and a beat or two (its next collective fails at
+       once; `benchmarks/process_death.py` measures it), at worst on its silence as in 1: on a machine loaded with
+       other processes the collective's error can come late (seen here: 19.7 s), so the bound asserted is the silence's;
     3. process 0 killed: jax's client ends process 1 within a second (SIGABRT, jax's own message: jax 0.10.2 lets no
        Python code replace it, see `peers`);
     after each, both processes rerun resume from the last committed checkpoint, the one the line names; the last rerun
@@ -229,7 +230,7 @@ def test_a_process_that_dies_or_hangs_ends_the_other_in_one_line_and_the_same_co
     steps = 48
     args = train_flags(corpus, workdir, cache, **{"train.num_steps": steps, "train.eval_every": steps})
     last_good = None
-    for signum, victim, within_s in [(signal.SIGSTOP, 1, 30), (signal.SIGKILL, 1, 12), (signal.SIGKILL, 0, 5)]:
+    for signum, victim, within_s in [(signal.SIGSTOP, 1, 30), (signal.SIGKILL, 1, 30), (signal.SIGKILL, 0, 5)]:
         processes, logs = start("train.py", args, tmp_path)
         status, elapsed, text = fault(signum, victim, processes, logs, workdir, after_step=last_good or 4)
         if last_good is not None:
