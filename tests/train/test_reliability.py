@@ -154,7 +154,9 @@ def test_load_workdir_names_a_damaged_checkpoint_and_the_intact_ones(straight_ru
     run = tmp_path / "run"
     shutil.copytree(straight_run, run)
     data = largest_file(step_dir(run, STEPS) / "params")
-    data.write_bytes(data.read_bytes()[:-1] + b"\0")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1  # a byte always changed (writing a zero was no change when the last byte was zero already)
+    data.write_bytes(bytes(raw))
     with pytest.raises(checkpoint.DamagedCheckpointError, match=rf"checkpoint {STEPS} is damaged.*available: \[4, 6\]"):
         checkpoint.load_workdir(run)
     params_of(run, STEPS - 2)  # the others load
