@@ -50,10 +50,12 @@ training-side length recipes of `deberta_jax.data.row_lengths`, the rest of the 
 to 32x as `:far` scores: `-long256` trains its last 1,000 of the 10,000 steps on 8 rows of 256 tokens (the same
 tokens per step; short-then-long), `-learned-long256` does so with the learned temperature, whose slope over
 log(keys) the two lengths make identifiable, and `-learned-mixed16` trains the learned temperature on rows cut to
-16-64 tokens (the key count varies inside the training length). Its runs share runs/natural with `:far`, whose
+16-64 tokens (the key count varies inside the training length); the `-learned-long<N>-mixed` runs end with a long
+phase of rows of N tokens each cut to 64-N, for N = 256, 512 and 2,048 (the last covers every key count the scoring
+reaches, at the highest cost per token). Its runs share runs/natural with `:far`, whose
 `deberta-emd` and `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is
-the same three recipes at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or rows
-of 32-128), scored to 16x, in runs/natural-scale beside `:scale`'s baseline; report to results/natural-past-scale.
+the same recipes at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of
+512, 1,024 or 2,048 cut to 128-N; or rows of 32-128 throughout), scored to 16x, in runs/natural-scale beside `:scale`'s baseline; report to results/natural-past-scale.
 """
 
 from ml_collections import config_dict
@@ -105,19 +107,21 @@ def _variants(arg: str) -> list:
         return chosen + [variants.variant(f"{v.name}-learned", v.config, **v.overrides.model, **_LEARNED)
                          for v in chosen if v.name != "t5-bias"]
     if arg in ("past", "past-scale"):
-        return past_variants(*((SCALE_SEQ_LEN, SCALE_STEPS) if arg == "past-scale" else (64, 10_000)))
+        return past_variants(*((SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES[-1]) if arg == "past-scale"
+                               else (64, 10_000, FAR_MULTIPLES[-1])))
     if arg == "flat":
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
     return [v for v in variants.core() if v.name in NAMES]
 
 
-def past_variants(seq_len: int, steps: int) -> list:
-    """The training-side recipes past the window (`deberta_jax.data.row_lengths`) for runs of `steps` at `seq_len`:
-    the last 10% of the updates on rows 4x the training length (the same tokens per step), with and without the
-    learned temperature; the learned temperature on rows cut to L/4-L tokens throughout; and the learned temperature
-    with a long phase whose rows are cut to L-4L or L-8L tokens (`-mixed`), so that the last updates still see
-    rows of L among the long ones."""
+def past_variants(seq_len: int, steps: int, reach: int) -> list:
+    """The training-side recipes past the window (`deberta_jax.data.row_lengths`) for runs of `steps` at `seq_len`,
+    scored to `reach` times it: the last 10% of the updates on rows 4x the training length (the same tokens per
+    step), with and without the learned temperature; the learned temperature on rows cut to L/4-L tokens throughout;
+    and the learned temperature with a long phase whose rows are cut to L-4L, L-8L or L-`reach`L tokens (`-mixed`),
+    so that the last updates still see rows of L among the long ones, and the longest phase every key count the
+    scoring reaches."""
     def long(multiple, **data):
         return dict(train=dict(long_steps=steps // 10), data=dict(long_seq_len=multiple * seq_len, **data))
 
@@ -127,7 +131,7 @@ def past_variants(seq_len: int, steps: int) -> list:
             variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED),
             *(variants.variant(f"deberta-emd-learned-long{m * seq_len}-mixed", variants.DEBERTA,
                                **long(m, min_row_length=seq_len), **_LEARNED, **_room_for(m * seq_len))
-              for m in (4, 8))]
+              for m in (4, 8, reach))]
 
 
 def _room_for(length: int) -> dict:
@@ -160,7 +164,8 @@ def get_config(arg: str = ""):
            "slope per head times log(keys seen) into every score." if arg not in ("", "core", "smoke") else "")
         + (f" `-long{4 * seq_len}` runs trained their last {steps // 10:,} steps on {32 // 4} rows of {4 * seq_len} "
            f"tokens (the same tokens per step); `-mixed{seq_len // 4}` runs trained on rows cut to a random length of "
-           f"{seq_len // 4}-{seq_len} tokens." if arg.startswith("past") else ""))
+           f"{seq_len // 4}-{seq_len} tokens; `-long<N>-mixed` runs trained their last {steps // 10:,} steps on "
+           f"rows of N tokens each cut to a random length of {seq_len}-N." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = _variants(arg)
