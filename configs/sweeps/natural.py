@@ -52,10 +52,11 @@ tokens per step; short-then-long), `-learned-long256` does so with the learned t
 log(keys) the two lengths make identifiable, and `-learned-mixed16` trains the learned temperature on rows cut to
 16-64 tokens (the key count varies inside the training length); the `-learned-long<N>-mixed` runs end with a long
 phase of rows of N tokens each cut to 64-N, for N = 256, 512 and 2,048 (the last covers every key count the scoring
-reaches, at the highest cost per token). Its runs share runs/natural with `:far`, whose
-`deberta-emd` and `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is
-the same recipes at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of
-512, 1,024 or 2,048 cut to 128-N; or rows of 32-128 throughout), scored to 16x, in runs/natural-scale beside `:scale`'s baseline; report to results/natural-past-scale.
+reaches, at the highest cost per token). Its runs share runs/natural with `:far`, whose `deberta-emd` and
+`deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is the same recipes
+at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of 512, 1,024 or
+2,048 cut to 128-N; or rows of 32-128 throughout), scored to 16x, in runs/natural-scale beside `:scale`'s baseline;
+report to results/natural-past-scale.
 """
 
 from ml_collections import config_dict
