@@ -17,7 +17,7 @@ import warnings
 from absl import app, flags, logging
 
 from deberta_jax import storage
-from deberta_jax.data import errors
+from deberta_jax.data import errors, library_logs
 from deberta_jax.export import writer
 from deberta_jax.model import hf
 from deberta_jax.train import checkpoint
@@ -33,6 +33,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    library_logs.quiet()
     errors.check_location("--workdir", FLAGS.workdir)
     errors.check_location("--out", FLAGS.out)
     step = checkpoint.parse_step(FLAGS.checkpoint)

@@ -23,7 +23,7 @@ import pandas as pd
 from absl import app, flags
 
 from deberta_jax import storage
-from deberta_jax.data import errors, packing
+from deberta_jax.data import errors, library_logs, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, report
 from deberta_jax.train import checkpoint, config_checks, metrics_io
@@ -152,6 +152,7 @@ def define_flags() -> None:
 
 def main(argv):
     del argv
+    library_logs.quiet()
     workdirs = {}
     for item in FLAGS.workdir:
         label, sep, path = item.partition("=")

@@ -37,7 +37,7 @@ from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
 from deberta_jax import storage
-from deberta_jax.data import errors, packing, synthetic
+from deberta_jax.data import errors, library_logs, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.study import length_study, report
@@ -400,6 +400,7 @@ def sweep_command(sweep: config_dict.ConfigDict) -> str:
 def main(argv):
     if len(argv) > 1:  # a value without its flag would otherwise be dropped and the sweep run without it
         raise ValueError(f"unexpected arguments {argv[1:]}: give every option as a flag, e.g. --mode=print")
+    library_logs.quiet()
     sweep = FLAGS.sweep
     sweep.config_path = config_flags.get_config_filename(FLAGS["sweep"])
     runs = planned_runs(sweep)
