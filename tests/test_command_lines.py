@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -126,6 +127,11 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (OFFLINE + FETCH + ["--out", f"{tmp}/data"], 1,
          ("python -m deberta_jax.data.fetch: cannot download https://", "brown.zip (", "the network or the host is "
           "unreachable from here); download it where it can be reached and give the file with --brown_zip=")),
+        # Brown from a file, and no network for WikiText-2: said within the Hub probe's seconds, not datasets' retries.
+        (OFFLINE + FETCH + ["--out", f"{tmp}/from-zip", "--brown_zip", f"{tmp}/brown.zip"], 1,
+         ("python -m deberta_jax.data.fetch: cannot download WikiText-2 (", ") from the Hugging Face hub (HEAD "
+          "https://huggingface.co failed within ", "give its original wiki.valid.tokens and wiki.test.tokens as "
+          f"valid.txt and test.txt in {tmp}/from-zip/wikitext-2 instead")),
         (FETCH + ["--out", f"{tmp}/data", "--brown_zip", f"{tmp}/a_file"], 1,
          f"--brown_zip={tmp}/a_file is not a zip file: give NLTK's brown.zip"),
         (SEED_RATE + ["--curves", curves, "--out", f"{tmp}/rate", "--margin=-0.5"], 1, "--margin=-0.5"),
@@ -186,6 +192,8 @@ def test_bad_input_ends_in_one_line_without_a_traceback(tmp_path):
     (tmp_path / "train.txt.gz").write_bytes(gzip.compress(b"some words\n" * 100))
     (tmp_path / "curves.json").write_text(json.dumps({"curves": {}, "workdirs": {}}))
     (tmp_path / "bad-curves.json").write_text('{"curves": {"bert": {"1": 2.')
+    with zipfile.ZipFile(tmp_path / "brown.zip", "w") as archive:  # NLTK's layout, one tagged sample
+        archive.writestr("brown/ca01", "\n\n\tThe/at jury/nn said/vbd ./.\n\n")
     run_table(rows(tmp_path))
 
 

@@ -107,9 +107,6 @@ def _variants(arg: str) -> list:
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant(f"{v.name}-learned", v.config, **v.overrides.model, **_LEARNED)
                          for v in chosen if v.name != "t5-bias"]
-    if arg in ("past", "past-scale"):
-        return past_variants(*((SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES[-1]) if arg == "past-scale"
-                               else (64, 10_000, FAR_MULTIPLES[-1])))
     if arg == "flat":
         chosen = [v for v in variants.core() if v.name in FLAT_NAMES]
         return chosen + [variants.variant("deberta-emd-b256", variants.DEBERTA, **V3_BUCKETS)]
@@ -169,7 +166,7 @@ def get_config(arg: str = ""):
            f"rows of N tokens each cut to a random length of {seq_len}-N." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
-    sweep.variants = _variants(arg)
+    sweep.variants = past_variants(seq_len, steps, multiples[-1]) if arg.startswith("past") else _variants(arg)
     sweep.seeds = seeds
     sweep.seq_lens = [seq_len]
     overrides = recipe()

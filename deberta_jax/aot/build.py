@@ -100,14 +100,14 @@ def compile_run(config: config_dict.ConfigDict, tpu: Target, *, programs: Sequen
     state = run_programs.abstract_with_sharding(run.abstract_state, run.state_sharding)
     batch = run_programs.abstract_batch(rows, seq_len, run.batch_sharding)
     groups = tpu.num_chips  # the head scores each device's rows on that device (steps.masked_lm_sums)
-    budget = groups * steps.prediction_budget(rows // accum * seq_len // groups, config.data.mask_prob)
+    budget = steps.step_prediction_budget(rows, seq_len, config.data.mask_prob, accum, groups)
     reports = []
     if "train" in programs:
         reports.append(_compile(
             "train step", lambda: run.train_step.lower(state, batch), tpu, num_chips=tpu.num_chips,
-            tokens=rows * seq_len, flops=model_flops(model_config, rows, seq_len, budget * accum, train=True)))
+            tokens=rows * seq_len, flops=model_flops(model_config, rows, seq_len, budget, train=True)))
     if "eval" in programs:
-        eval_budget = groups * steps.prediction_budget(rows * seq_len // groups, config.data.mask_prob)
+        eval_budget = steps.step_prediction_budget(rows, seq_len, config.data.mask_prob, groups=groups)
         reports.append(_compile(
             "eval step", lambda: run.eval_step.lower(state.params, batch), tpu, num_chips=tpu.num_chips,
             tokens=rows * seq_len, flops=model_flops(model_config, rows, seq_len, eval_budget, train=False)))

@@ -26,6 +26,7 @@ import zipfile
 from absl import app, flags
 
 from deberta_jax.data import errors
+from deberta_jax.data.text import hub_probe_error
 from deberta_jax.storage import atomic
 
 BROWN_URL = "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora/brown.zip"
@@ -59,7 +60,11 @@ def brown_splits(archive: bytes) -> tuple[str, str]:
 
 
 def wikitext_split(split: str) -> str:
-    """One WikiText-2 split as its original text file: the dataset's lines, each ending in a newline."""
+    """One WikiText-2 split as its original text file: the dataset's lines, each ending in a newline. The Hub is
+    probed first: `datasets` would retry an unreachable one for about 25 s before raising the same ConnectionError."""
+    unreachable_hub = hub_probe_error()
+    if unreachable_hub:
+        raise ConnectionError(unreachable_hub)
     import datasets
 
     rows = datasets.load_dataset(*WIKITEXT, split=split)["text"]

@@ -6,8 +6,8 @@ Two recipes change what training shows it, and both keep the 1x evaluation at L:
 
 - **Mixed row lengths** (`data.min_row_length > 0`): each training row is cut short to a length drawn uniformly
   from `[min_row_length, seq_len]` and closed with [SEP]; the cut-off tokens are padding (not attended to, not
-  predicted), so the number of keys varies from row to row. It trains on fewer tokens per step (the mean kept
-  share is `(min_row_length + seq_len) / (2 * seq_len)`), which is its cost.
+  predicted), so the number of keys varies from row to row. It trains on fewer tokens per step
+  (`mean_row_length` of every `seq_len`), which is its cost.
 - **Short-then-long** (`train.long_steps > 0`): the last `long_steps` updates train on rows of
   `data.long_seq_len` tokens, as long-context encoders finish pre-training; the batch holds
   `batch_size * seq_len / long_seq_len` rows, so every step trains on the same number of tokens and only the
@@ -52,6 +52,11 @@ def mixed_lengths(seed: int, step: int, global_rows: np.ndarray, low: int, high:
     """The length of each row (by its position in the global batch) of step `step`, uniform in `[low, high]`."""
     return np.array([np.random.default_rng([seed, step, int(row), _LENGTH_STREAM]).integers(low, high + 1)
                      for row in global_rows], dtype=np.int64)
+
+
+def mean_row_length(min_row_length: int, seq_len: int) -> float:
+    """The mean length of rows of `seq_len` under `mixed_lengths` (`min_row_length` 0: rows are not cut)."""
+    return (min_row_length + seq_len) / 2 if min_row_length else seq_len
 
 
 def cut_short(rows: packing.PackedData, lengths: np.ndarray, special: SpecialIds) -> packing.PackedData:

@@ -254,7 +254,7 @@ def _offline_requested() -> bool:
     return value.upper() in _TRUE_VALUES
 
 
-def _hub_probe_error(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+def hub_probe_error(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     """Probes the Hub once with a short timeout; None if it answered, else why not.
 
     Without this, `datasets` retries an unreachable Hub for about 25 s before failing.
@@ -283,7 +283,7 @@ def _hub_rows(spec: str) -> Iterator[str]:
     read from the local cache (memory-mapped Arrow files) in offline mode."""
     name, config, split = parse_hf_spec(spec)
     offline = _offline_requested()
-    probe_error = None if offline else _hub_probe_error()
+    probe_error = None if offline else hub_probe_error()
     if probe_error:
         raise ConnectionError(_unreachable_message(spec, probe_error))
     import datasets  # heavy import, and it reads the offline switches at import time

@@ -34,6 +34,8 @@ from deberta_jax import storage  # noqa: E402
 from deberta_jax.study import report  # noqa: E402
 
 FLAGS = flags.FLAGS
+# The policy the natural-text studies' tables show BERT under.
+DEFAULT_POLICY = "clip"
 
 
 def define_flags() -> None:
@@ -43,20 +45,24 @@ def define_flags() -> None:
                       "deberta-emd-L64+window).")
     flags.DEFINE_string("baseline", None,
                         "The label whose 1x loss each model's 1x loss is compared with, seed by seed.")
+    flags.DEFINE_string("policy", DEFAULT_POLICY, "A model with a learned absolute table (BERT) is compared under this "
+                        "policy past the training length (clip, untrained or interpolate, as scored).")
     flags.DEFINE_float("flat_within", 0.02, "Fixed targets: a change within this many nats from the window of L to the "
                        "longest window counts as flat.")
     flags.DEFINE_string("out", None, "Folder for compare.md and fixed_targets.png (local or gs://...).")
 
 
-def load(paths: list[str], models: list[str]) -> pd.DataFrame:
+def load(paths: list[str], models: list[str], policy: str = DEFAULT_POLICY) -> pd.DataFrame:
     """The loss records of `models` from every results file, refusing a model that two files both hold (which run
-    would it be?) and naming any that none holds."""
-    frames = []
+    would it be?) and naming any that none holds. A model with a learned absolute table is read under `policy`
+    (its rows past the training length), the others under none."""
+    frames, labels = [], set()
     for path in paths:
         frame = report.load_results(path)
+        labels.update(frame["model"].unique())
         # Each seed's own records: the file's means over seeds are recomputed here, over the seeds compared.
         frame = frame[frame["model"].isin(models) & (frame["metric"] == "loss") & (frame["bucket"] == "all")
-                      & frame["seed"].map(lambda s: isinstance(s, int))]
+                      & frame["policy"].isin(["none", policy]) & frame["seed"].map(lambda s: isinstance(s, int))]
         frames.append(frame.assign(results=path))
     records = pd.concat(frames, ignore_index=True)
     sources = records.groupby("model")["results"].unique()
@@ -66,8 +72,8 @@ def load(paths: list[str], models: list[str]) -> pd.DataFrame:
                          "of the files, or rename the runs)")
     missing = [m for m in models if m not in sources.index]
     if missing:
-        raise ValueError(f"--models: {', '.join(missing)} not in {', '.join(paths)}; their labels: "
-                         + ", ".join(sorted(set().union(*(report.load_results(p)["model"].unique() for p in paths)))))
+        raise ValueError(f"--models: {', '.join(missing)} not in {', '.join(paths)} under --policy={policy}; their "
+                         "labels: " + ", ".join(sorted(labels)))
     return records
 
 
@@ -136,7 +142,7 @@ def main(argv):
     if not FLAGS.results or not FLAGS.models:
         raise app.UsageError("give --results (one or more) and --models")
     models = FLAGS.models + ([FLAGS.baseline] if FLAGS.baseline and FLAGS.baseline not in FLAGS.models else [])
-    records = load(FLAGS.results, models)
+    records = load(FLAGS.results, models, FLAGS.policy)
     rises, fixed = chunked_rises(records, FLAGS.baseline), fixed_targets(records)
     text = markdown(rises, fixed, FLAGS.flat_within)
     print(text)

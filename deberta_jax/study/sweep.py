@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 
+import pandas as pd
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
@@ -376,9 +377,8 @@ def trained_table(runs: list[dict]) -> str:
     shown = ("data.train_files", "data.seq_len")
     differing = sorted(key for key in set().union(*fields)
                        if key not in shown and len({repr(f.get(key)) for f in fields}) > 1)
-    rows = [["run", *shown, *differing], ["---"] * (1 + len(shown) + len(differing))]
-    rows += [[run["name"], *(f.get(key, "-") for key in (*shown, *differing))] for run, f in zip(runs, fields)]
-    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
+    rows = [[run["name"], *(f.get(key, "-") for key in (*shown, *differing))] for run, f in zip(runs, fields)]
+    return report.markdown_table(pd.DataFrame(rows, columns=["run", *shown, *differing]))
 
 
 def sweep_command(sweep: config_dict.ConfigDict) -> str:

@@ -5,11 +5,12 @@
 
 The length recipes (`deberta_jax.data.row_lengths`) change what a step computes and what it trains on: the long
 phase computes rows 4x as long (the attention and relative-position products grow with the length, the rest does
-not), and mixed row lengths compute full rows of which only `(min_row_length + seq_len) / 2` tokens are real on
+not), and mixed row lengths compute full rows of which only `row_lengths.mean_row_length` tokens are real on
 average. So a recipe's cost is its FLOPs over the tokens it trained on, not its steps. Each step is counted as the
-compiled train step computes it (`model.flops.model_flops` with the MLM head's static prediction budget,
-`train.steps.prediction_budget`, which is the same whatever the rows hold), and compared with the same run trained
-on full rows of its training length throughout.
+compiled train step computes it on one device (`model.flops.model_flops` with the MLM head's static prediction
+budget, `train.steps.step_prediction_budget`, which is the same whatever the rows hold; split over devices, it grows
+by a few positions per device), and compared with the same run trained on full rows of its training length
+throughout.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def run_cost(run: config_dict.ConfigDict) -> Cost:
     """The FLOPs and trained tokens of a run's config (the complete config a workdir records)."""
     model = ModelConfig.from_dict(run.model.to_dict())
     seq_len, rows, num_steps = run.data.seq_len, run.train.batch_size, run.train.num_steps
+    accum = run.train.grad_accum_steps
     long_steps = run.train.get("long_steps", 0)
     phases = [(seq_len, rows, num_steps - long_steps)]
     if long_steps:
@@ -55,10 +57,9 @@ def run_cost(run: config_dict.ConfigDict) -> Cost:
     min_row = run.data.get("min_row_length", 0)  # configs from before the recipes have neither field
     flops = tokens = 0.0
     for length, batch, count in phases:
-        budget = steps.prediction_budget(batch * length, run.data.mask_prob)
+        budget = steps.step_prediction_budget(batch, length, run.data.mask_prob, accum)
         flops += count * model_flops(model, batch, length, budget, train=True)
-        kept = (min_row + length) / 2 if min_row else length  # the mean of a uniform draw in [min_row, length]
-        tokens += count * batch * kept
+        tokens += count * batch * row_lengths.mean_row_length(min_row, length)
     return Cost(flops, tokens)
 
 

@@ -62,6 +62,12 @@ def prediction_budget(num_tokens: int, mask_prob: float) -> int:
     return min(num_tokens, math.ceil(mean + 8 * math.sqrt(2 * mean) + 8))
 
 
+def step_prediction_budget(rows: int, seq_len: int, mask_prob: float, accum: int = 1, groups: int = 1) -> int:
+    """The positions one step's MLM head scores in all, as the train step (`accum` micro-batches) or the eval step
+    (`accum=1`) bounds them: `prediction_budget` of each device's share (`groups`) of each micro-batch."""
+    return accum * groups * prediction_budget(rows // accum * seq_len // groups, mask_prob)
+
+
 def masked_lm_sums(model: MaskedLM, batch: dict[str, jax.Array], budget: int, rngs: nnx.Rngs | None = None,
                    groups: int = 1) -> dict[str, jax.Array]:
     """Sums over the masked positions: cross-entropy, correct predictions, their count, and `dropped`.

@@ -341,7 +341,7 @@ def test_hub_datasets_are_streamed(monkeypatch, offline):
         return dataset.to_iterable_dataset() if streaming else dataset
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(text, "_hub_probe_error", lambda: None)
+    monkeypatch.setattr(text, "hub_probe_error", lambda: None)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1" if offline else "0")
     documents = text.iter_documents("hf:wikitext:wikitext-103-raw-v1:validation")
     assert calls == [("wikitext", "wikitext-103-raw-v1", "validation", not offline)]

@@ -117,7 +117,7 @@ def test_parse_hf_spec():
 def test_unreachable_hub_fails_fast_with_local_hint(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(text, "_hub_probe_error", lambda: "no route to host")
+    monkeypatch.setattr(text, "hub_probe_error", lambda: "no route to host")
     with pytest.raises(ConnectionError, match=rf"Hub is unreachable \(no route to host\).*{FIX}"):
         load_documents("hf:wikitext:wikitext-103-raw-v1:train")
 

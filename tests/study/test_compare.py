@@ -11,9 +11,9 @@ from deberta_jax.study import compare, report
 L = 64
 
 
-def records(model, seed, one_x, rises, fixed):
+def records(model, seed, one_x, rises, fixed, policy="none"):
     """Chunked loss at 1x and at each multiple (1x + rise), and fixed-target loss L/2 into windows of each length."""
-    base = dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=100, train_len=L, policy="none",
+    base = dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=100, train_len=L, policy=policy,
                 dataset="brown/valid", bucket="all", metric="loss", ci_low=None, ci_high=None, n_tokens=100)
     out = [dict(base, multiple=1.0, protocol="chunked", offset=None, eval_len=L, value=one_x)]
     out += [dict(base, multiple=float(m), protocol="chunked", offset=None, eval_len=L * m, value=one_x + r)
@@ -50,6 +50,18 @@ def test_fixed_targets_say_whether_the_extra_keys_help(studies):
     assert verdict[("brown/valid", "plain")] == "+0.500: rises"
     assert verdict[("brown/valid", "recipe")] == "-0.055: falls"
     assert compare.verdicts(fixed, flat_within=0.06)[("brown/valid", "recipe")] == "-0.055: flat"
+
+
+def test_a_model_with_an_absolute_table_is_read_under_one_policy(tmp_path):
+    """BERT is scored under several policies past L; averaging them as one model would blend three models."""
+    bert = [r for policy, rise in (("clip", 0.3), ("untrained", 2.0), ("interpolate", 0.6))
+            for seed in (0, 1) for r in records("bert", seed, 3.9, {2: rise}, {64: 4.0}, policy=policy)]
+    report.write_results(bert, [], str(tmp_path))
+    path = [str(tmp_path / report.RESULTS_FILE)]
+    assert compare.chunked_rises(compare.load(path, ["bert"]), None).loc[
+        ("brown/valid", "bert", "mean"), "rise 2x"] == pytest.approx(0.3)
+    assert compare.chunked_rises(compare.load(path, ["bert"], "untrained"), None).loc[
+        ("brown/valid", "bert", "mean"), "rise 2x"] == pytest.approx(2.0)
 
 
 def test_a_model_in_two_files_or_in_none_is_refused(studies, tmp_path):
