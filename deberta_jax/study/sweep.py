@@ -142,7 +142,13 @@ def changed_since_trained(run: dict) -> str | None:
     changes = length_study.config_differences(saved, planned)
     stored = storage.path(run["workdir"]) / TRAINED_FILE
     if not changes and stored.is_file():
-        fingerprint = json.loads(storage.read_text(stored))["config_fingerprint"]
+        try:
+            fingerprint = json.loads(storage.read_text(stored))["config_fingerprint"]
+        except (ValueError, KeyError, TypeError):  # cut short, or edited by something else
+            raise ValueError(f"{stored} is damaged: it is not the record the sweep writes when {run['name']} finishes "
+                             "training (what its training text held, to compare with the sweep's now). Remove it to "
+                             f"compare {run['name']}'s config.json alone, as for a run trained by a printed command, "
+                             f"or remove {run['workdir']} to retrain this run") from None
         if fingerprint != length_study.config_fingerprint(run["workdir"], planned):
             changes = [f"the files config.data.train_files names ({planned.data.train_files}) were rewritten since "
                        "it trained"]

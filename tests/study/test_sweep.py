@@ -148,6 +148,9 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
         "data.train_files": str(data / "other/train.txt")})
     (data / "brown/train.txt").write_text((corpus / "train.txt").read_text().replace("the", "a"))
     assert "brown/train.txt) were rewritten since it trained" in refusal()
+    (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).write_text('{"config_fingerp')
+    with pytest.raises(ValueError, match=f"{sweep.TRAINED_FILE} is damaged: .* Remove it to compare"):
+        sweep.train_all([run])
     # A run trained without the sweep (a printed command) has no fingerprint: its config.json is compared.
     (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).unlink()
     assert sweep.changed_since_trained(run) is None
