@@ -43,9 +43,10 @@ CONFIG = ["--config", "configs/deberta.py:micro"]
 # The hints the one line may carry under it: absl's under a flag-parsing error, the project's under a refusal.
 HINTS = ("Pass --helpshort or --helpfull to see help on flags.",
          f"({errors.TRACEBACK_VARIABLE}=1 shows where it was raised)")
-# A run's progress log before the refusal (absl's `I1202 13:00:39.95 ...` lines, a progress bar's `train:  40%|`) is
-# not part of the message; nor, under a sweep, is the last line of the train.py it ran.
-LOG_LINE = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ |\w+: +\d+%\|")
+# A run's progress log before the refusal (absl's `I1202 13:00:39.95 ...` lines, a progress bar's `train:  40%|`, the
+# scorer's `scoring 1/6: ...` off a terminal) is not part of the message; nor, under a sweep, is the last line of the
+# train.py it ran.
+LOG_LINE = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ |\w+: +\d+%\||scoring \d+/\d+: ")
 CHILD_LINE = "train.py: "
 
 
@@ -233,6 +234,10 @@ def trained_rows(tmp, run: str) -> list[tuple]:
         (smoke_sweep(tmp) + ["--mode", "report"], 0,
          (f"{run}/length_eval.json is not valid JSON (", "a cached length evaluation, damaged; evaluating the run "
           "again, which replaces it")),
+        # Stopped while scoring a copy of the run: one line, and its lock given back (the rerun below scores it).
+        (smoke_sweep(f"{tmp}/copy") + ["--mode", "score", f"--runs={Path(run).name}"], 143,
+         "python -m deberta_jax.study.sweep: preempted (SIGTERM) while scoring: every run scored before it keeps its "
+         "evaluation in its workdir (length_eval.json); rerun the same command to score the rest", "scoring 1/"),
         (smoke_sweep(f"{tmp}/stopped") + ["--sweep.common_overrides.train.num_steps=100000"], 143,
          ("python -m deberta_jax.study.sweep: preempted (SIGTERM): passed on to run ", ", which stopped at its "
           "checkpoint of step ", f" in {tmp}/stopped/", "; rerun the same sweep command to resume it"),
@@ -247,7 +252,7 @@ def test_faults_around_a_trained_run_end_in_one_line(tmp_path):
     trained = run(Row(command, 0, ""))
     assert trained.returncode == 0, trained.stderr[-2000:]
     workdir = Path(command[command.index("--workdir") + 1])
-    for name in ("tokenizer-cut", "tokenizer-lost", "no-digest"):
+    for name in ("tokenizer-cut", "tokenizer-lost", "no-digest", f"copy/runs/{workdir.name}"):
         shutil.copytree(workdir, tmp_path / name)
     tokenizer = tmp_path / "tokenizer-cut" / "tokenizer.json"
     tokenizer.write_text(tokenizer.read_text()[:200])
@@ -264,6 +269,8 @@ def test_faults_around_a_trained_run_end_in_one_line(tmp_path):
     report = (tmp_path / "report" / "REPORT.md").read_text()
     rerun = re.search(r"to train what is missing and report: `([^`]+)`", report)
     assert set(sweep[1:]) <= set(shlex.split(rerun[1])), rerun[1]
+    rescored = run(Row(smoke_sweep(f"{tmp_path}/copy") + ["--mode", "score", f"--runs={workdir.name}"], 0, ""))
+    assert rescored.returncode == 0, rescored.stderr[-2000:]
     # The stopped sweep's train.py is gone, and the checkpoint its line names is there.
     stopped = re.search(r"checkpoint of step (\d+) in (\S+);", results[-1].stderr)
     assert (Path(stopped[2]) / stopped[1]).is_dir()

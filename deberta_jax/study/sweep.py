@@ -10,7 +10,8 @@ training lengths, overrides common to all runs, and the evaluation settings. Eac
 invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`), so a sweep is resumable for free: finished runs
 (a checkpoint at `num_steps`) are skipped and interrupted ones resume from their last checkpoint. A SIGTERM to the
 sweep (a preemption notice) is passed on to the run training, which saves a checkpoint and stops; the sweep then
-names it and exits 143, as train.py does. `--mode print` writes the same commands for a cluster scheduler instead of
+names it and exits 143, as train.py does. Received while scoring, it stops the scoring the same way, every run scored
+before it kept. `--mode print` writes the same commands for a cluster scheduler instead of
 running them; `--mode report` evaluates whatever has finished. A finished run that trained on another config than
 the sweep now gives it (another data file, another model size) is refused, naming what changed, instead of being
 skipped and reported as the new config's. Each run's evaluation is kept in its workdir (`length_eval.json`), so an
@@ -23,6 +24,7 @@ gathers them; a run is scored under its workdir's lock, so two processes never s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -170,6 +172,26 @@ def check_finished_runs(runs: list[dict]) -> None:
 
 class RunStopped(Exception):
     """A SIGTERM to the sweep (a preemption notice) stopped the run in training, passed on to its train.py."""
+
+
+class ScoringStopped(Exception):
+    """A SIGTERM to the sweep (a preemption notice) while it scored: the runs scored before it keep their cached
+    evaluations."""
+
+
+@contextlib.contextmanager
+def stopping_scoring_on_sigterm():
+    """Within the block a SIGTERM raises `ScoringStopped` in the main thread, so the run being scored gives back its
+    workdir's lock on the way out instead of the process ending inside it."""
+    def stop(signum, frame):
+        raise ScoringStopped(f"preempted (SIGTERM) while scoring: every run scored before it keeps its evaluation in "
+                             f"its workdir ({EVAL_CACHE}); rerun the same command to score the rest")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_run(run: dict) -> tuple[int, bool]:
@@ -416,17 +438,19 @@ def main(argv):
         for run in runs:
             print(shlex.join(run["command"]))  # with this interpreter: runs as printed from the repository root
         return
-    if FLAGS.mode == "score":  # locks each run's workdir, not the root: scoring processes run side by side
-        score_named(sweep, runs, FLAGS.runs)
-        return
-    # One sweep per workdir root (each run's train.py also locks its own workdir).
-    with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
-        if FLAGS.mode == "run":
-            try:
+    try:
+        if FLAGS.mode == "score":  # locks each run's workdir, not the root: scoring processes run side by side
+            with stopping_scoring_on_sigterm():
+                score_named(sweep, runs, FLAGS.runs)
+            return
+        # One sweep per workdir root (each run's train.py also locks its own workdir).
+        with workdir_lock.hold(sweep.workdir_root, what=f"deberta_jax.study.sweep --mode {FLAGS.mode}"):
+            if FLAGS.mode == "run":
                 train_all(runs)
-            except RunStopped as notice:
-                preemption.stop(PROGRAM, notice)
-        print("report:", evaluate_and_report(sweep, runs, FLAGS.mode))
+            with stopping_scoring_on_sigterm():
+                print("report:", evaluate_and_report(sweep, runs, FLAGS.mode))
+    except (RunStopped, ScoringStopped) as notice:
+        preemption.stop(PROGRAM, notice)
 
 
 if __name__ == "__main__":
