@@ -1,0 +1,78 @@
+"""The learned attention temperature of trained runs, read out: each layer's and head's slope `s_h`, and the factor
+`s_h * log(n)` it puts on every score of a query that sees n keys, at the lengths asked for.
+
+    python -m deberta_jax.study.temperatures --lengths 64,512,2048 \
+        --workdir runs/natural/deberta-emd-learned-long512-mixed-L64-s0
+
+What a slope can and cannot say: the factor's growth with the number of keys is fixed by its form, `log(n) / log(L)`
+from L to n keys whatever `s_h` is (1.83 from 64 to 2,048 keys); the slope only scales every score of its head alike,
+which the query and key projections can do as well. So a trained slope says how far a run scaled its scores overall
+(a fresh slope is `1 / log(L)`, a factor of 1 at the training length), not how steeply it learned to sharpen them
+with length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from absl import app, flags
+
+from deberta_jax import storage
+from deberta_jax.data import errors, library_logs
+from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.train import checkpoint
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
+    flags.DEFINE_multi_string("workdir", [], "A training workdir whose model learned its temperature; repeat for more.")
+    flags.DEFINE_list("lengths", ["64", "2048"], "Key counts n at which to give the factor s_h * log(n).")
+
+
+def slopes(model: MaskedLM) -> np.ndarray:
+    """`[layers, heads]`: each attention layer's learned slope per head. Raises ValueError for a model without."""
+    if model.cfg.attention_temperature != "learned":
+        raise ValueError(f"model.attention_temperature={model.cfg.attention_temperature!r}: no learned slope to read "
+                         "(only runs trained with attention_temperature='learned' have one)")
+    return np.stack([np.asarray(layer.attention.temperature_slope[...]) for layer in model.encoder.layers])
+
+
+def table(named_slopes: dict[str, np.ndarray], lengths: list[int]) -> str:
+    """A markdown row per run and layer: its heads' slopes, and the factor at each length (mean of the heads, with
+    their range)."""
+    lines = ["| run | layer | slope per head | " + " | ".join(f"factor at {n} keys" for n in lengths) + " |",
+             "|---|---:|---|" + "---:|" * len(lengths)]
+    for name, per_layer in named_slopes.items():
+        for layer, heads in enumerate(per_layer):
+            factors = [heads * np.log(n) for n in lengths]
+            lines.append(f"| {name} | {layer} | {', '.join(f'{s:.4f}' for s in heads)} | "
+                         + " | ".join(f"{f.mean():.2f} ({f.min():.2f}-{f.max():.2f})" for f in factors) + " |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS.workdir:
+        raise app.UsageError("give at least one --workdir")
+    try:
+        lengths = [int(n) for n in FLAGS.lengths]
+    except ValueError:
+        raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give whole numbers of keys, e.g. 64,2048") from None
+    if not lengths or min(lengths) < 2:
+        raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give key counts of 2 or more (log(1) is 0)")
+    library_logs.quiet()
+    named = {}
+    for workdir in FLAGS.workdir:
+        _, model, _ = checkpoint.load_workdir(workdir)
+        try:
+            named[storage.path(workdir).name] = slopes(model)
+        except ValueError as err:
+            raise ValueError(f"--workdir {workdir}: {err}") from None
+    print(table(named, lengths))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(errors.reporting_user_errors(main, "python -m deberta_jax.study.temperatures"))
