@@ -23,7 +23,7 @@ from flax import nnx
 from deberta_jax.kernels import dispatch
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms
 from deberta_jax.model import positions
-from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.config import LEARNED_TEMPERATURES, ModelConfig
 from deberta_jax.model.dropout import Dropout
 from deberta_jax.model.parameters import dense
 
@@ -98,10 +98,11 @@ class SelfAttention(nnx.Module):
         self.pos_key_proj = dense(cfg, h, h, rngs) if separate and "c2p" in cfg.pos_att_type else None
         self.pos_query_proj = dense(cfg, h, h, rngs) if separate and "p2c" in cfg.pos_att_type else None
         self.pos_dropout = Dropout(cfg.hidden_dropout)
-        # Scalable-Softmax's slope per head, starting where the fixed log-length temperature is at the training
-        # length (a factor of 1 on rows of L keys).
+        # A learned temperature's parameter per head (`positions.learned_temperature`), starting where the fixed
+        # log-length temperature is: a factor of 1 on rows of L keys, log(n) / log(L) on rows of n.
         self.temperature_slope = nnx.Param(jnp.full((cfg.num_heads,), 1 / np.log(cfg.effective_trained_length),
-                                                    jnp.float32)) if cfg.attention_temperature == "learned" else None
+                                                    jnp.float32)) if cfg.attention_temperature in LEARNED_TEMPERATURES \
+            else None
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""
@@ -129,7 +130,9 @@ class SelfAttention(nnx.Module):
         v = split_heads(self.value_proj(hidden), cfg.num_heads)
         temperature = ctx.temperature
         if self.temperature_slope is not None:
-            temperature = ctx.log_keys * self.temperature_slope[...][None, :, None, None]
+            temperature = positions.learned_temperature(cfg.attention_temperature,
+                                                        self.temperature_slope[...][None, :, None, None],
+                                                        ctx.log_keys, cfg.effective_trained_length)
         terms = ScoreTerms(q=q, k=k, key_len=k.shape[-2], temperature=temperature, window=cfg.attention_window,
                            global_keys=ctx.global_keys)
         if cfg.attention == "disentangled":

@@ -43,7 +43,9 @@ RELATIVE_TERMS = ("auto", "gather", "shift")
 # What the relative schemes do with distances past the training length (`ModelConfig.distance_scale`).
 RELATIVE_POSITION_POLICIES = ("exact", "interpolate")
 # Attention temperature as a function of how many keys a query sees (`ModelConfig.attention_temperature`).
-ATTENTION_TEMPERATURES = ("none", "log_length", "learned")
+ATTENTION_TEMPERATURES = ("none", "log_length", "learned", "learned_rate")
+# The temperatures with a parameter per head and layer (`positions.learned_temperature`): models, not options.
+LEARNED_TEMPERATURES = ("learned", "learned_rate")
 
 
 class ConfigError(ValueError):
@@ -127,7 +129,13 @@ class ModelConfig:
         `"learned"` is Scalable-Softmax's own form, a model of its own rather than an option: query i's scores in
         head h are multiplied by `s_h * log(n_i)`, `s_h` a parameter of every layer, trained from the first step
         (initialised to `1 / log(L)`, so a fresh model scores rows of L tokens as one without it). It has no floor:
-        at lengths below L the factor falls below 1, as in the paper.
+        at lengths below L the factor falls below 1, as in the paper. Its growth with the number of keys is not
+        learned, though: `log(n) / log(L)` from L to n keys whatever `s_h` is, which only scales the head's scores
+        alike, as the projections can. `"learned_rate"` learns that growth: the factor is `1 + r_h * log(n_i / L)`,
+        1 at L keys whatever `r_h` is, and `r_h` (initialised to `1 / log(L)`, so a fresh model is the fixed
+        "log_length" without its floor) gets a gradient only from rows whose key count differs from L, so it is
+        trained by the mixed row lengths of `deberta_jax.data.row_lengths` and stays where it started on rows
+        of L.
       - `attention_window=W` (0: every key) lets each query attend only to the W consecutive positions around
         it, centered (`W // 2` before it) and shifted at either end of the row so that every query of a row of
         at least W positions sees exactly W of them: sliding-window evaluation (LeX, Sun et al. 2023), which at
@@ -245,9 +253,10 @@ class ModelConfig:
             raise ConfigError(f"model field(s) {other} cannot be changed on a trained model: they change its "
                               f"parameters; only {list(OPTION_FIELDS)} can")
         new = fields.get("attention_temperature", self.attention_temperature)
-        if "learned" in (new, self.attention_temperature) and new != self.attention_temperature:
+        learned = {new, self.attention_temperature} & set(LEARNED_TEMPERATURES)
+        if learned and new != self.attention_temperature:
             raise ConfigError(f"model.attention_temperature cannot change from {self.attention_temperature!r} to "
-                              f"{new!r} on a trained model: the learned temperature is a parameter of every layer")
+                              f"{new!r} on a trained model: a learned temperature is a parameter of every layer")
         return dataclasses.replace(self, **fields)
 
     def distance_scale(self, seq_len: int) -> float:

@@ -114,9 +114,18 @@ def visible_keys(key_mask, window: int, with_ends: bool = False) -> jax.Array:
 
 
 def log_keys(visible: jax.Array) -> jax.Array:
-    """`log(n_i)` per query as `[B, 1, N, 1]` (a query with no real key counts one): the factor both temperatures
-    scale, by `1 / log(L)` (fixed) or by a learned slope per head."""
+    """`log(n_i)` per query as `[B, 1, N, 1]` (a query with no real key counts one): what every temperature scales,
+    by `1 / log(L)` (fixed) or by a learned parameter per head (`learned_temperature`)."""
     return jnp.log(jnp.maximum(visible, 1.0))[:, None, :, None]
+
+
+def learned_temperature(kind: str, parameter, log_keys, trained_length: int):
+    """The factor on the scores of a query that sees `exp(log_keys)` keys, from a head's learned `parameter`
+    (`ModelConfig.attention_temperature`): Scalable-Softmax's `s_h * log(n)` ("learned"), or `1 + r_h * log(n / L)`
+    ("learned_rate"). Broadcasts: `parameter` shaped to meet `log_keys` (numpy or jax)."""
+    if kind == "learned":
+        return parameter * log_keys
+    return 1 + parameter * (log_keys - np.float32(np.log(trained_length)))
 
 
 def relative_index(query_len: int, key_len: int, **kw) -> np.ndarray:

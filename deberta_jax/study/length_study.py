@@ -30,7 +30,7 @@ from deberta_jax.data import packing, synthetic, targets
 from deberta_jax.data.tokenizer import SPECIAL_TOKENS, SpecialIds
 from deberta_jax.kernels import dense
 from deberta_jax.model import hf
-from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, COMPUTATION_FIELDS, ModelConfig
+from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, COMPUTATION_FIELDS, LEARNED_TEMPERATURES, ModelConfig
 from deberta_jax.model.encoder import MaskedLM, with_options
 from deberta_jax.study import protocols, report, scoring
 from deberta_jax.study.baselines import OracleModel, UnigramModel
@@ -41,8 +41,8 @@ from deberta_jax.train import checkpoint, config_checks
 # The study scores each requested method as another model, labelled `<label>+<method>`.
 LENGTH_METHODS = {
     # Scores scaled by log(keys seen) / log(L): attention as sharp over 8L keys as over L. A model trained with a
-    # learned temperature already scales its scores by log(keys seen).
-    "log_length": lambda cfg: None if cfg.attention_temperature == "learned" else dict(
+    # learned temperature already scales its scores with log(keys seen).
+    "log_length": lambda cfg: None if cfg.attention_temperature in LEARNED_TEMPERATURES else dict(
         attention_temperature="log_length"),
     # Every query attends to the L positions around it: no unseen distance or key count.
     "window": lambda cfg: dict(attention_window=cfg.effective_trained_length),

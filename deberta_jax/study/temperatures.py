@@ -1,14 +1,15 @@
-"""The learned attention temperature of trained runs, read out: each layer's and head's slope `s_h`, and the factor
-`s_h * log(n)` it puts on every score of a query that sees n keys, at the lengths asked for.
+"""The learned attention temperature of trained runs, read out: each layer's and head's parameter, and the factor it
+puts on every score of a query that sees n keys, at the lengths asked for (`model.positions.learned_temperature`).
 
     python -m deberta_jax.study.temperatures --lengths 64,512,2048 \
         --workdir runs/natural/deberta-emd-learned-long512-mixed-L64-s0
 
-What a slope can and cannot say: the factor's growth with the number of keys is fixed by its form, `log(n) / log(L)`
-from L to n keys whatever `s_h` is (1.83 from 64 to 2,048 keys); the slope only scales every score of its head alike,
-which the query and key projections can do as well. So a trained slope says how far a run scaled its scores overall
-(a fresh slope is `1 / log(L)`, a factor of 1 at the training length), not how steeply it learned to sharpen them
-with length.
+What Scalable-Softmax's slope (`attention_temperature="learned"`, `s_h * log(n)`) can and cannot say: the factor's
+growth with the number of keys is fixed by its form, `log(n) / log(L)` from L to n keys whatever `s_h` is (1.83 from
+64 to 2,048 keys); the slope only scales every score of its head alike, which the query and key projections can do
+as well. So a trained slope says how far a run scaled its scores overall (a fresh slope is `1 / log(L)`, a factor of
+1 at the training length), not how steeply it learned to sharpen them with length. The rate form
+(`"learned_rate"`, `1 + r_h * log(n / L)`) learns that growth itself: its factor at L keys is 1 whatever `r_h` is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from absl import app, flags
 
 from deberta_jax import storage
 from deberta_jax.data import errors, library_logs
+from deberta_jax.model import positions
+from deberta_jax.model.config import LEARNED_TEMPERATURES
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.train import checkpoint
 
@@ -31,22 +34,24 @@ def define_flags() -> None:
 
 
 def slopes(model: MaskedLM) -> np.ndarray:
-    """`[layers, heads]`: each attention layer's learned slope per head. Raises ValueError for a model without."""
-    if model.cfg.attention_temperature != "learned":
-        raise ValueError(f"model.attention_temperature={model.cfg.attention_temperature!r}: no learned slope to read "
-                         "(only runs trained with attention_temperature='learned' have one)")
+    """`[layers, heads]`: each attention layer's learned parameter per head. Raises ValueError for a model without."""
+    if model.cfg.attention_temperature not in LEARNED_TEMPERATURES:
+        raise ValueError(f"model.attention_temperature={model.cfg.attention_temperature!r}: no learned temperature to "
+                         f"read (only runs trained with attention_temperature in {LEARNED_TEMPERATURES} have one)")
     return np.stack([np.asarray(layer.attention.temperature_slope[...]) for layer in model.encoder.layers])
 
 
-def table(named_slopes: dict[str, np.ndarray], lengths: list[int]) -> str:
-    """A markdown row per run and layer: its heads' slopes, and the factor at each length (mean of the heads, with
-    their range)."""
-    lines = ["| run | layer | slope per head | " + " | ".join(f"factor at {n} keys" for n in lengths) + " |",
-             "|---|---:|---|" + "---:|" * len(lengths)]
-    for name, per_layer in named_slopes.items():
-        for layer, heads in enumerate(per_layer):
-            factors = [heads * np.log(n) for n in lengths]
-            lines.append(f"| {name} | {layer} | {', '.join(f'{s:.4f}' for s in heads)} | "
+def table(models: dict[str, MaskedLM], lengths: list[int]) -> str:
+    """A markdown row per run and layer: its form, its heads' parameters, and the factor at each length (mean of the
+    heads, with their range)."""
+    lines = ["| run | form | layer | parameter per head | "
+             + " | ".join(f"factor at {n} keys" for n in lengths) + " |", "|---|---|---:|---|" + "---:|" * len(lengths)]
+    for name, model in models.items():
+        cfg = model.cfg
+        for layer, heads in enumerate(slopes(model)):
+            factors = [positions.learned_temperature(cfg.attention_temperature, heads, np.log(n),
+                                                     cfg.effective_trained_length) for n in lengths]
+            lines.append(f"| {name} | {cfg.attention_temperature} | {layer} | {', '.join(f'{s:.4f}' for s in heads)} | "
                          + " | ".join(f"{f.mean():.2f} ({f.min():.2f}-{f.max():.2f})" for f in factors) + " |")
     return "\n".join(lines)
 
@@ -63,14 +68,15 @@ def main(argv):
     if not lengths or min(lengths) < 2:
         raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give key counts of 2 or more (log(1) is 0)")
     library_logs.quiet()
-    named = {}
+    models = {}
     for workdir in FLAGS.workdir:
         _, model, _ = checkpoint.load_workdir(workdir)
         try:
-            named[storage.path(workdir).name] = slopes(model)
-        except ValueError as err:
+            slopes(model)
+        except ValueError as err:  # named here, before any row is printed
             raise ValueError(f"--workdir {workdir}: {err}") from None
-    print(table(named, lengths))
+        models[storage.path(workdir).name] = model
+    print(table(models, lengths))
 
 
 if __name__ == "__main__":

@@ -285,9 +285,9 @@ def test_a_method_never_replaces_what_the_model_was_trained_with():
 
 
 # --------------------------------------------------------------------------- the learned temperature
-def learned(scheme="deberta"):
+def learned(scheme="deberta", kind="learned"):
     model = build(scheme)  # noisy parameters; then the learned model shares them and adds its slopes
-    cfg = ModelConfig(**dict(SCHEMES[scheme], attention_temperature="learned"))
+    cfg = ModelConfig(**dict(SCHEMES[scheme], attention_temperature=kind))
     out = MaskedLM(cfg, rngs=nnx.Rngs(0))
     nnx.update(out, nnx.state(model))
     return model, out
@@ -350,12 +350,43 @@ def test_the_learned_slope_gets_its_gradient_in_every_kernel():
     assert abs((moved(1) - moved(-1)) / 2 - predicted) < 0.02 * abs(predicted)
 
 
+def test_a_fresh_learned_rate_is_the_log_length_temperature_without_its_floor():
+    model, rate = learned(kind="learned_rate")
+    np.testing.assert_allclose(encode(rate, TRAIN_LEN), encode(model, TRAIN_LEN), atol=2e-6)
+    fixed = with_options(model, attention_temperature="log_length")
+    np.testing.assert_allclose(encode(rate, 4 * TRAIN_LEN), encode(fixed, 4 * TRAIN_LEN), atol=2e-5)
+    assert np.abs(encode(rate, TRAIN_LEN // 2) - encode(model, TRAIN_LEN // 2)).max() > 1e-3  # below L: under 1
+
+
+def test_the_learned_rate_is_trained_only_by_rows_whose_key_count_is_not_the_training_length():
+    """Its factor is 1 at L keys whatever the rate, so full rows of L give it no gradient (Scalable-Softmax's slope
+    gets one from them all the same, as a scale the projections could carry), and rows of other lengths do."""
+    readout = jax.random.normal(jax.random.key(2), (2, TRAIN_LEN, 32))
+
+    ids = batch(TRAIN_LEN)[0]
+
+    @nnx.jit
+    def rate_gradients(model, mask):
+        grads = nnx.grad(lambda m: jnp.sum(m.encode(ids, mask) * readout))(model)
+        layers = grads.encoder.layers
+        return jnp.stack([layers[i].attention.temperature_slope[...] for i in range(len(layers))])
+
+    full, cut = batch(TRAIN_LEN)[1], batch(TRAIN_LEN, pad=5)[1]
+    _, rate = learned(kind="learned_rate")
+    on_cut = np.abs(rate_gradients(rate, cut)).max()
+    assert on_cut > 1e-3 and np.abs(rate_gradients(rate, full)).max() < 1e-4 * on_cut
+    _, slope = learned()
+    assert np.abs(rate_gradients(slope, full)).min() > 1e-3 * on_cut
+
+
 def test_the_learned_temperature_is_a_model_not_an_option():
     _, scaled = learned()
     with pytest.raises(ConfigError, match="cannot change from 'learned' to 'log_length'"):
         with_options(scaled, attention_temperature="log_length")
     with pytest.raises(ConfigError, match="cannot change from 'none' to 'learned'"):
         with_options(build("deberta"), attention_temperature="learned")
+    with pytest.raises(ConfigError, match="cannot change from 'learned' to 'learned_rate'"):
+        with_options(scaled, attention_temperature="learned_rate")
     # The study's log-length method does not apply to it (it already scales by log(keys)); the window does.
     models = [length_study.EvalModel("ssmax", 0, "ssmax", scaled, None, TRAIN_LEN)]
     assert [em.label for em in length_study.with_methods(models, ("log_length", "window"))] == ["ssmax", "ssmax+window"]

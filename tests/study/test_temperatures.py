@@ -22,15 +22,24 @@ def test_slopes_come_per_layer_and_head_and_the_table_gives_their_factors():
         layer.attention.temperature_slope[...] = jnp.asarray(values)
     read = temperatures.slopes(model)
     np.testing.assert_array_equal(read, chosen)
-    rows = temperatures.table({"run": read}, [16, 2048]).splitlines()
+    rows = temperatures.table({"run": model}, [16, 2048]).splitlines()
     assert len(rows) == 2 + 3 and rows[0].endswith("| factor at 16 keys | factor at 2048 keys |")
     last = chosen[2] * math.log(2048)
-    assert rows[4] == (f"| run | 2 | 0.5000, 0.2500, 0.1250, 1.0000 | {chosen[2].mean() * math.log(16):.2f} "
+    assert rows[4] == (f"| run | learned | 2 | 0.5000, 0.2500, 0.1250, 1.0000 | {chosen[2].mean() * math.log(16):.2f} "
                        f"({0.125 * math.log(16):.2f}-{math.log(16):.2f}) | {last.mean():.2f} ({last.min():.2f}-"
                        f"{last.max():.2f}) |")
 
 
+def test_the_rate_form_is_one_at_the_training_length_whatever_it_learned():
+    model = MaskedLM(ModelConfig(**CONFIG, attention_temperature="learned_rate"), rngs=nnx.Rngs(0))
+    model.encoder.layers[1].attention.temperature_slope[...] = jnp.asarray([0.0, 0.1, 0.5, 2.0])
+    rows = temperatures.table({"run": model}, [16, 64]).splitlines()
+    rate = 1 + np.asarray([0.0, 0.1, 0.5, 2.0]) * math.log(64 / 16)
+    assert rows[3] == (f"| run | learned_rate | 1 | 0.0000, 0.1000, 0.5000, 2.0000 | 1.00 (1.00-1.00) | "
+                       f"{rate.mean():.2f} ({rate.min():.2f}-{rate.max():.2f}) |")
+
+
 def test_a_model_without_a_learned_temperature_is_refused():
     model = MaskedLM(ModelConfig(**CONFIG, attention_temperature="log_length"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="attention_temperature='log_length': no learned slope to read"):
+    with pytest.raises(ValueError, match="attention_temperature='log_length': no learned temperature to read"):
         temperatures.slopes(model)
