@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pandas as pd
 from absl import app, flags, logging
@@ -243,12 +244,16 @@ def train_all(runs: list[dict]) -> None:
 
 
 def code_version(report_dir: str) -> str:
-    """The commit, marked when tracked files other than the report's own differ from it."""
+    """The commit, marked when tracked files other than the report's own (where it lies in the checkout) differ."""
+    def git(*args) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                f":(exclude){report_dir}"], capture_output=True, text=True, check=True).stdout.strip()
+        rev, top = git("rev-parse", "--short", "HEAD"), git("rev-parse", "--show-toplevel")
+        # git refuses a pathspec outside the checkout (a report in /tmp or a bucket): nothing of it to leave out.
+        inside = not storage.is_remote(report_dir) and Path(os.path.realpath(report_dir)).is_relative_to(top)
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                    *([f":(exclude){report_dir}"] if inside else []))
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"

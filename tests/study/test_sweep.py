@@ -289,3 +289,11 @@ def test_scoring_named_runs_refuses_unknown_or_unfinished_ones_naming_the_sweeps
 def test_flatten_builds_override_names():
     tree = config_dict.ConfigDict(dict(model=dict(use_emd=True, pos_att_type="c2p"), seed=3)).to_dict()
     assert sweep.flatten(tree) == {"model.use_emd": True, "model.pos_att_type": "c2p", "seed": 3}
+
+
+def test_the_report_names_the_commit_wherever_it_is_written(tmp_path):
+    """A report outside the checkout (a scratch folder, a bucket) is marked with the commit as one inside it is."""
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    for where in (str(tmp_path / "report"), "results/some-report", "gs://bucket/report"):
+        assert sweep.code_version(where).startswith(rev), where
