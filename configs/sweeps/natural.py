@@ -48,11 +48,13 @@ with the window. About two hours of one CPU core per run; runs/natural-scale, re
 of only surviving them (the window is flat because it never looks past L): relative-only DeBERTa trained with the
 training-side length recipes of `deberta_jax.data.row_lengths`, the rest of the recipe unchanged, two seeds, scored
 to 32x as `:far` scores: `-long256` trains its last 1,000 of the 10,000 steps on 8 rows of 256 tokens (the same
-tokens per step; short-then-long), `-learned-long256` does so with the learned temperature, whose slope over
-log(keys) the two lengths make identifiable, and `-learned-mixed16` trains the learned temperature on rows cut to
-16-64 tokens (the key count varies inside the training length); the `-learned-long<N>-mixed` runs end with a long
-phase of rows of N tokens each cut to 64-N, for N = 256, 512 and 2,048 (the last covers every key count the scoring
-reaches, at the highest cost per token). Its runs share runs/natural with `:far`, whose `deberta-emd` and
+tokens per step; short-then-long), `-learned-long256` does so with the learned temperature, and `-learned-mixed16`
+trains the learned temperature on rows cut to 16-64 tokens (the key count varies inside the training length); the
+`-learned-long<N>-mixed` runs end with a long phase of rows of N tokens each cut to 64-N, for N = 256, 512 and 2,048
+(the last covers every key count the scoring reaches, at the highest cost per token). Scalable-Softmax's slope only
+scales a head's scores (its factor grows by log(n) / log(L) whatever it learns), so `-rate-long512-mixed` trains the
+64-512 phase with a temperature whose growth with log(keys) is learned (`attention_temperature="learned_rate"`). Its
+runs share runs/natural with `:far`, whose `deberta-emd` and
 `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is the same recipes
 at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of 512, 1,024 or
 2,048 cut to 128-N; or rows of 32-128 throughout), scored to 16x, in runs/natural-scale beside `:scale`'s baseline;
@@ -74,6 +76,8 @@ V3_BUCKETS = dict(position_buckets=256, max_relative_positions=512)
 ARGS = ("", "core", "seeds", "flat", "far", "scale", "past", "past-scale", "smoke")
 FAR_MULTIPLES = [1, 2, 4, 8, 16, 32]
 _LEARNED = dict(attention_temperature="learned")
+# The temperature whose growth with log(keys) is learned (its factor is 1 at L keys whatever it learns).
+_RATE = dict(attention_temperature="learned_rate")
 # The second scale: twice the layers at twice the training length, half the steps (the same tokens).
 SCALE_MODEL = dict(num_layers=4)
 SCALE_SEQ_LEN, SCALE_STEPS, SCALE_MULTIPLES = 128, 5_000, [1, 2, 4, 8, 16]
@@ -119,7 +123,8 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     step), with and without the learned temperature; the learned temperature on rows cut to L/4-L tokens throughout;
     and the learned temperature with a long phase whose rows are cut to L-4L, L-8L or L-`reach`L tokens (`-mixed`),
     so that the last updates still see rows of L among the long ones, and the longest phase every key count the
-    scoring reaches."""
+    scoring reaches; and the learned rate (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
+    with the key count where the slope cannot."""
     def long(multiple, **data):
         return dict(train=dict(long_steps=steps // 10), data=dict(long_seq_len=multiple * seq_len, **data))
 
@@ -129,7 +134,9 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
             variants.variant(f"deberta-emd-learned-mixed{seq_len // 4}", variants.DEBERTA, **mixed, **_LEARNED),
             *(variants.variant(f"deberta-emd-learned-long{m * seq_len}-mixed", variants.DEBERTA,
                                **long(m, min_row_length=seq_len), **_LEARNED, **_room_for(m * seq_len))
-              for m in (4, 8, reach))]
+              for m in (4, 8, reach)),
+            variants.variant(f"deberta-emd-rate-long{8 * seq_len}-mixed", variants.DEBERTA,
+                             **long(8, min_row_length=seq_len), **_RATE, **_room_for(8 * seq_len))]
 
 
 def _room_for(length: int) -> dict:
@@ -163,7 +170,8 @@ def get_config(arg: str = ""):
         + (f" `-long{4 * seq_len}` runs trained their last {steps // 10:,} steps on {32 // 4} rows of {4 * seq_len} "
            f"tokens (the same tokens per step); `-mixed{seq_len // 4}` runs trained on rows cut to a random length of "
            f"{seq_len // 4}-{seq_len} tokens; `-long<N>-mixed` runs trained their last {steps // 10:,} steps on "
-           f"rows of N tokens each cut to a random length of {seq_len}-N." if arg.startswith("past") else ""))
+           f"rows of N tokens each cut to a random length of {seq_len}-N; `-rate` runs trained the factor "
+           f"1 + r_h log(n / {seq_len}) instead of the slope." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = past_variants(seq_len, steps, multiples[-1]) if arg.startswith("past") else _variants(arg)

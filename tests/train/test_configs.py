@@ -179,10 +179,10 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                 "flat": [*natural.FLAT_NAMES, "deberta-emd-b256"],
                 "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16",
                          "deberta-emd-learned-long256-mixed", "deberta-emd-learned-long512-mixed",
-                         "deberta-emd-learned-long2048-mixed"],
+                         "deberta-emd-learned-long2048-mixed", "deberta-emd-rate-long512-mixed"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
-                               "deberta-emd-learned-long2048-mixed"],
+                               "deberta-emd-learned-long2048-mixed", "deberta-emd-rate-long1024-mixed"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -195,7 +195,8 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         steps, n, reach = (500, 128, 16) if arg == "past-scale" else (1000, 64, 32)
         assert sorted(lengths.values()) == sorted([(steps, 4 * n, 0, n), (steps, 4 * n, 0, n), (0, 0, n // 4, n),
                                                    (steps, 4 * n, n, n), (steps, 8 * n, n, n),
-                                                   (steps, reach * n, n, n)])
+                                                   (steps, reach * n, n, n), (steps, 8 * n, n, n)])
+        assert resolved[f"deberta-emd-rate-long{8 * n}-mixed"].model.attention_temperature == "learned_rate"
         # Relative models train on rows of at most max_position_embeddings: the longest phase needs room.
         assert resolved[f"deberta-emd-learned-long{reach * n}-mixed"].model.max_position_embeddings == reach * n
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
