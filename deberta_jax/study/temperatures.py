@@ -15,6 +15,7 @@ as well. So a trained slope says how far a run scaled its scores overall (a fres
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 from absl import app, flags
 
 from deberta_jax import storage
@@ -22,6 +23,7 @@ from deberta_jax.data import errors, library_logs
 from deberta_jax.model import positions
 from deberta_jax.model.config import LEARNED_TEMPERATURES
 from deberta_jax.model.encoder import MaskedLM
+from deberta_jax.study import report
 from deberta_jax.train import checkpoint
 
 FLAGS = flags.FLAGS
@@ -44,16 +46,16 @@ def slopes(model: MaskedLM) -> np.ndarray:
 def table(models: dict[str, MaskedLM], lengths: list[int]) -> str:
     """A markdown row per run and layer: its form, its heads' parameters, and the factor at each length (mean of the
     heads, with their range)."""
-    lines = ["| run | form | layer | parameter per head | "
-             + " | ".join(f"factor at {n} keys" for n in lengths) + " |", "|---|---|---:|---|" + "---:|" * len(lengths)]
+    rows = []
     for name, model in models.items():
         cfg = model.cfg
         for layer, heads in enumerate(slopes(model)):
             factors = [positions.learned_temperature(cfg.attention_temperature, heads, np.log(n),
                                                      cfg.effective_trained_length) for n in lengths]
-            lines.append(f"| {name} | {cfg.attention_temperature} | {layer} | {', '.join(f'{s:.4f}' for s in heads)} | "
-                         + " | ".join(f"{f.mean():.2f} ({f.min():.2f}-{f.max():.2f})" for f in factors) + " |")
-    return "\n".join(lines)
+            rows.append([name, cfg.attention_temperature, layer, ", ".join(f"{s:.4f}" for s in heads),
+                         *(f"{f.mean():.2f} ({f.min():.2f}-{f.max():.2f})" for f in factors)])
+    columns = ["run", "form", "layer", "parameter per head", *(f"factor at {n} keys" for n in lengths)]
+    return report.markdown_table(pd.DataFrame(rows, columns=columns))
 
 
 def main(argv):
