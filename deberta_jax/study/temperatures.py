@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
     flags.DEFINE_multi_string("workdir", [], "A training workdir whose model learned its temperature; repeat for more.")
-    flags.DEFINE_list("lengths", ["64", "2048"], "Key counts n at which to give the factor s_h * log(n).")
+    flags.DEFINE_list("lengths", ["64", "2048"], "Key counts n at which to give each head's factor.")
 
 
 def slopes(model: MaskedLM) -> np.ndarray:
@@ -67,8 +67,8 @@ def main(argv):
         lengths = [int(n) for n in FLAGS.lengths]
     except ValueError:
         raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give whole numbers of keys, e.g. 64,2048") from None
-    if not lengths or min(lengths) < 2:
-        raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give key counts of 2 or more (log(1) is 0)")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths={','.join(FLAGS.lengths)}: give key counts of 1 or more")
     library_logs.quiet()
     models = {}
     for workdir in FLAGS.workdir:
