@@ -191,8 +191,9 @@ def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
         long = row_lengths.Phase(packing.load_or_pack(config.data.train_files, tokenizer, long_len,
                                                       config.data.cache_dir),
                                  row_lengths.long_batch_size(train_cfg.batch_size, seq_len, long_len))
-        logging.info("the last %d steps train on %d rows of %d tokens", train_cfg.long_steps, long.batch_size,
-                     long_len)
+        logging.info("%d of the last %d steps train on %d rows of %d tokens",
+                     row_lengths.long_step_count(train_cfg.long_steps, train_cfg.long_share), train_cfg.long_steps,
+                     long.batch_size, long_len)
     return short, long, evals
 
 
@@ -291,13 +292,14 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
         check_steps(pending, "no checkpoint was saved before it" if latest is None else
                     f"the last good checkpoint is step {latest} in {checkpoints}")
 
-    previous_phase = None
+    compiled = set()  # the phases whose step shape has been compiled (two when a long phase alternates)
     watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
     failed = False
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included
             progress.step = step
-            phase = row_lengths.phase_at(step - 1, train_cfg.num_steps, train_cfg.long_steps, short_phase, long_phase)
+            phase = row_lengths.phase_at(step - 1, train_cfg.num_steps, train_cfg.long_steps, short_phase, long_phase,
+                                         train_cfg.long_share)
             rows = batches.train_batch(
                 phase.rows, masker, batch_size=phase.batch_size, step=step - 1, seed=config.seed,
                 process_index=jax.process_index(), process_count=jax.process_count(),
@@ -306,10 +308,10 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
             pending.append((step, metrics))
             timer_steps += 1
             bar.update()
-            if phase is not previous_phase:  # the first step of each shape compiles: not counted in tokens/s
+            if id(phase) not in compiled:  # the first step of each shape compiles: not counted in tokens/s
                 jax.block_until_ready(metrics)
                 timer_start, timer_steps = time.perf_counter(), 0
-            previous_phase = phase
+                compiled.add(id(phase))
 
             preempted = watch.reached(step)  # the same step on every process
             final, stopping = step == train_cfg.num_steps, step == last_step or preempted

@@ -87,6 +87,7 @@ def get_base_config(size: str) -> config_dict.ConfigDict:
     config.train.learning_rate = preset["learning_rate"]
     config.train.warmup_steps = preset["warmup_steps"]
     config.train.long_steps = 0  # the last updates, trained on rows of data.long_seq_len (short-then-long)
+    config.train.long_share = 1.0  # of those, the share on long rows; the rest (spread evenly) on rows of seq_len
     config.train.schedule = "linear"  # decay after warmup: "linear" or "cosine", to 0 at num_steps
     # AdamW as in RoBERTa/DeBERTa (b2=0.98, eps=1e-6 are steadier than BERT's 0.999/1e-8 for post-LN).
     config.train.weight_decay = 0.01

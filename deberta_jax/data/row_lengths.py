@@ -11,7 +11,9 @@ Two recipes change what training shows it, and both keep the 1x evaluation at L:
 - **Short-then-long** (`train.long_steps > 0`): the last `long_steps` updates train on rows of
   `data.long_seq_len` tokens, as long-context encoders finish pre-training; the batch holds
   `batch_size * seq_len / long_seq_len` rows, so every step trains on the same number of tokens and only the
-  attention's share of the FLOPs grows.
+  attention's share of the FLOPs grows. With `train.long_share < 1` only that share of the phase's steps are long,
+  spread evenly through it, and the others stay on rows of `seq_len`: the model keeps training at the length it is
+  scored at most (1x) while it learns the long one.
 
 Both are pure functions of (seed, step, global row), like the batches and masks (`batches`): a resumed run trains
 on exactly the rows of an uninterrupted one, and one process or many build the same rows.
@@ -20,6 +22,7 @@ on exactly the rows of an uninterrupted one, and one process or many build the s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -43,9 +46,21 @@ def long_batch_size(batch_size: int, seq_len: int, long_seq_len: int) -> int:
     return batch_size * seq_len // long_seq_len
 
 
-def phase_at(step: int, num_steps: int, long_steps: int, short: Phase, long: Phase | None) -> Phase:
-    """The phase update `step` (0-based) trains in: the last `long_steps` of `num_steps` are the long phase."""
-    return long if long is not None and step >= num_steps - long_steps else short
+def long_step_count(long_steps: int, long_share: float) -> int:
+    """How many of the long phase's `long_steps` updates train on long rows (half a step rounds up)."""
+    return math.floor(long_steps * long_share + 0.5)
+
+
+def phase_at(step: int, num_steps: int, long_steps: int, short: Phase, long: Phase | None,
+             long_share: float = 1.0) -> Phase:
+    """The phase update `step` (0-based) trains in. The last `long_steps` of `num_steps` are the long phase; of
+    those, `long_step_count` are long, each where the running count `index * count / long_steps` passes a whole
+    number (integers only, so every process and every resume agrees), the phase's last step among them."""
+    index = step - (num_steps - long_steps)
+    if long is None or index < 0:
+        return short
+    count = long_step_count(long_steps, long_share)
+    return long if (index + 1) * count // long_steps > index * count // long_steps else short
 
 
 def mixed_lengths(seed: int, step: int, global_rows: np.ndarray, low: int, high: int) -> np.ndarray:

@@ -49,12 +49,13 @@ def run_cost(run: config_dict.ConfigDict) -> Cost:
     model = ModelConfig.from_dict(run.model.to_dict())
     seq_len, rows, num_steps = run.data.seq_len, run.train.batch_size, run.train.num_steps
     accum = run.train.grad_accum_steps
-    long_steps = run.train.get("long_steps", 0)
-    phases = [(seq_len, rows, num_steps - long_steps)]
-    if long_steps:
+    # Configs from before the length recipes lack their fields.
+    long_count = row_lengths.long_step_count(run.train.get("long_steps", 0), run.train.get("long_share", 1.0))
+    phases = [(seq_len, rows, num_steps - long_count)]
+    if long_count:
         long_len = run.data.long_seq_len
-        phases.append((long_len, row_lengths.long_batch_size(rows, seq_len, long_len), long_steps))
-    min_row = run.data.get("min_row_length", 0)  # configs from before the recipes have neither field
+        phases.append((long_len, row_lengths.long_batch_size(rows, seq_len, long_len), long_count))
+    min_row = run.data.get("min_row_length", 0)
     flops = tokens = 0.0
     for length, batch, count in phases:
         budget = steps.step_prediction_budget(batch, length, run.data.mask_prob, accum)

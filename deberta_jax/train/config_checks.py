@@ -19,7 +19,7 @@ from ml_collections import config_dict
 from ml_collections.config_flags import config_flags as config_flags_module
 
 from deberta_jax import storage
-from deberta_jax.data import errors, packing
+from deberta_jax.data import errors, packing, row_lengths
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.train.optim import SCHEDULES
 
@@ -144,11 +144,18 @@ def _check_long_phase(config: config_dict.ConfigDict, num_devices: int, table: i
     _require_int(config, "train.long_steps", 0)
     _require(long_steps <= config.train.num_steps, "train.long_steps", long_steps,
              f"exceeds config.train.num_steps={config.train.num_steps}; the long phase is the run's last steps")
+    share = config.train.long_share
     if not long_steps:
         _require(long_len == 0, "data.long_seq_len", long_len,
                  "is set but config.train.long_steps=0, so no step would use it; set train.long_steps (the last "
                  "updates, trained on rows of long_seq_len) or leave long_seq_len at 0")
+        _require(share == 1, "train.long_share", share,
+                 "is set but config.train.long_steps=0, so there is no long phase to share; set train.long_steps "
+                 "or leave long_share at 1")
         return
+    _require_number(config, "train.long_share", 0.0, 1.0, low_open=True, high_open=False)
+    _require(row_lengths.long_step_count(long_steps, share) > 0, "train.long_share", share,
+             f"leaves none of the config.train.long_steps={long_steps} steps on long rows; raise it or long_steps")
     _require(_is_int(long_len) and seq_len < long_len <= min(table, packing.MAX_SEQ_LEN), "data.long_seq_len",
              long_len, f"must be an integer above data.seq_len={seq_len} for config.train.long_steps={long_steps}, "
              f"at most {min(table, packing.MAX_SEQ_LEN)} ({what})")

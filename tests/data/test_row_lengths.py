@@ -62,3 +62,24 @@ def test_the_long_phase_is_the_last_long_steps():
     assert chosen == [32] * 7 + [8] * 3
     assert row_lengths.phase_at(9, 10, 0, short, None) is short
     assert row_lengths.long_batch_size(32, 64, 256) == 8
+
+
+@pytest.mark.parametrize("long_steps,share,phase", [(4, 0.5, "SLSL"), (4, 0.75, "SLLL"), (4, 0.25, "SSSL"),
+                                                     (6, 1 / 3, "SSLSSL"), (5, 1.0, "LLLLL")])
+def test_a_shared_long_phase_spreads_its_long_steps_evenly_and_ends_on_one(long_steps, share, phase):
+    short, long = row_lengths.Phase(None, 32), row_lengths.Phase(None, 8)
+    chosen = "".join("L" if row_lengths.phase_at(step, 10, long_steps, short, long, share) is long else "S"
+                     for step in range(10))
+    assert chosen == "S" * (10 - long_steps) + phase
+
+
+def test_the_long_step_count_is_kept_at_any_share():
+    short, long = row_lengths.Phase(None, 32), row_lengths.Phase(None, 8)
+    for long_steps in (1, 5, 7, 100, 1000):
+        for share in (0.01, 0.3, 0.5, 0.77, 1.0):
+            count = sum(row_lengths.phase_at(step, 2000, long_steps, short, long, share) is long
+                        for step in range(2000))
+            assert count == row_lengths.long_step_count(long_steps, share)
+    # Half a step rounds up at every count (Python's round would give 2 of 5 and 2 of 3).
+    assert [row_lengths.long_step_count(n, 0.5) for n in (3, 5, 1000)] == [2, 3, 500]
+    assert row_lengths.long_step_count(1000, 0.77) == 770

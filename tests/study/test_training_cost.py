@@ -35,6 +35,8 @@ def test_a_long_phase_trains_the_same_tokens_at_its_own_length():
     assert long > short  # the attention's share grows with the length
     assert cost.flops == pytest.approx(75 * short + 25 * long)
     assert cost.tokens == 100 * 8 * 32
+    run.train.long_share = 0.6  # 15 of the 25 steps long, 10 on rows of 32
+    assert training_cost.run_cost(run).flops == pytest.approx(85 * short + 15 * long)
 
 
 def test_a_missing_workdir_is_one_line(tmp_path):

@@ -85,6 +85,7 @@ BAD_VALUES = [
     ("data.long_seq_len", 64, "config.data.long_seq_len=64 is set but config.train.long_steps=0"),
     ("train.long_steps", 101, "config.train.long_steps=101 exceeds config.train.num_steps=100"),
     ("train.long_steps", -1, "config.train.long_steps=-1 must be an integer >= 0"),
+    ("train.long_share", 0.5, "config.train.long_share=0.5 is set but config.train.long_steps=0"),
 ]
 
 
@@ -122,6 +123,13 @@ def test_a_long_phase_needs_longer_rows_of_the_same_tokens():
     config.data.long_seq_len = 128  # 2 rows: not a whole share of 4 devices
     with pytest.raises(ConfigError, match="divisible by 4 "):
         validate(config, num_devices=4)
+    validate(config, num_devices=2)
+    for share, problem in [(0.0, r"must be a number in \(0, 1\]"), (1.5, r"must be a number in \(0, 1\]"),
+                           (0.04, "leaves none of the config.train.long_steps=10 steps on long rows")]:
+        config.train.long_share = share
+        with pytest.raises(ConfigError, match=f"^config.train.long_share={share} {problem}"):
+            validate(config, num_devices=2)
+    config.train.long_share = 0.05  # rounds to one long step of ten
     validate(config, num_devices=2)
 
 
@@ -179,10 +187,12 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                 "flat": [*natural.FLAT_NAMES, "deberta-emd-b256"],
                 "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16",
                          "deberta-emd-learned-long256-mixed", "deberta-emd-learned-long512-mixed",
-                         "deberta-emd-learned-long2048-mixed", "deberta-emd-rate-long512-mixed"],
+                         "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
+                         "deberta-emd-rate-long512-mixed"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
-                               "deberta-emd-learned-long2048-mixed", "deberta-emd-rate-long1024-mixed"],
+                               "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
+                               "deberta-emd-rate-long1024-mixed"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -192,15 +202,20 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
     if arg.startswith("past"):  # the length recipes are the only differences from the others' recipe
         lengths = {name: (c.train.long_steps, c.data.long_seq_len, c.data.min_row_length, c.data.seq_len)
                    for name, c in resolved.items()}
+        shares = {name: c.train.long_share for name, c in resolved.items()}
         steps, n, reach = (500, 128, 16) if arg == "past-scale" else (1000, 64, 32)
         assert sorted(lengths.values()) == sorted([(steps, 4 * n, 0, n), (steps, 4 * n, 0, n), (0, 0, n // 4, n),
                                                    (steps, 4 * n, n, n), (steps, 8 * n, n, n),
-                                                   (steps, reach * n, n, n), (steps, 8 * n, n, n)])
+                                                   (steps, reach * n, n, n), (steps, reach * n, n, n),
+                                                   (steps, 8 * n, n, n)])
+        half = f"deberta-emd-learned-long{reach * n}-mixed-half"  # every other step of the longest phase on L
+        assert shares.pop(half) == 0.5 and set(shares.values()) == {1.0}
+        assert lengths[half] == lengths[f"deberta-emd-learned-long{reach * n}-mixed"]
         assert resolved[f"deberta-emd-rate-long{8 * n}-mixed"].model.attention_temperature == "learned_rate"
         # Relative models train on rows of at most max_position_embeddings: the longest phase needs room.
         assert resolved[f"deberta-emd-learned-long{reach * n}-mixed"].model.max_position_embeddings == reach * n
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
-                      {k: v for k, v in c.train.to_dict().items() if k != "long_steps"})
+                      {k: v for k, v in c.train.to_dict().items() if k not in ("long_steps", "long_share")})
                for name, c in resolved.items()}
     assert len(set(map(repr, recipes.values()))) == 1  # one recipe for all
     if arg != "smoke":

@@ -96,6 +96,27 @@ def test_a_long_final_phase_trains_only_its_steps_on_long_rows_and_resumes_exact
     assert all(long[s] != plain[s] for s in range(first_long, STEPS + 1))
 
 
+def test_a_shared_long_phase_alternates_its_shapes_and_resumes_exactly(corpus, straight_run, tmp_path):
+    """With train.long_share=0.5 the phase's steps alternate short, long, short, long: its first step is the plain
+    run's, and a run stopped after its second short step resumes to the uninterrupted run's parameters and losses."""
+    config = micro_config(corpus, long_steps=4, long_share=0.5)
+    config.data.long_seq_len = 64
+    train.train_and_evaluate(config, tmp_path / "straight")
+    train.train_and_evaluate(config, tmp_path / "resumed", stop_at_step=STEPS - 1)
+    train.train_and_evaluate(config, tmp_path / "resumed")
+    jax.tree.map(np.testing.assert_array_equal, restore_params(tmp_path / "resumed"),
+                 restore_params(tmp_path / "straight"))
+    shared, plain = train_losses(tmp_path / "straight"), train_losses(straight_run)
+    assert train_losses(tmp_path / "resumed") == shared
+    first_long = STEPS - 4 + 2
+    assert [shared[s] for s in range(1, first_long)] == [plain[s] for s in range(1, first_long)]
+    assert shared[first_long] != plain[first_long]
+    full = tmp_path / "full"  # the same phase with every step long departs from the plain run a step earlier
+    config.train.long_share = 1.0
+    train.train_and_evaluate(config, full)
+    assert train_losses(full)[first_long - 1] != plain[first_long - 1]
+
+
 def test_eight_devices_match_one(corpus, straight_run, tmp_path):
     """Same global batch split over 8 fake CPU devices: same losses and parameters to float tolerance."""
     flags = [f"--config.{k}={v}" for k, v in overrides(corpus).items()]
