@@ -41,7 +41,8 @@ from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
 from deberta_jax.storage import deadlines
-from deberta_jax.train import checkpoint, config_checks, metrics_io, peers, preemption, sharding, workdir_lock
+from deberta_jax.train import branching, checkpoint, config_checks, metrics_io, peers, preemption, sharding
+from deberta_jax.train import workdir_lock
 from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
@@ -51,6 +52,10 @@ flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() (mul
 flags.DEFINE_float("storage_deadline_s", deadlines.DEFAULT_LIMIT_S, "How long one call to object storage (a "
                    "checkpoint save, an upload, a lock renewal) may run before the run stops with one line naming it: "
                    "a store that accepts connections and never answers would otherwise hang it.", lower_bound=1)
+flags.DEFINE_string("branch_from", None, "A workdir whose run differs from this one only in its long phase "
+                    "(config.train.long_steps and what goes with it): a new --workdir starts from its newest checkpoint "
+                    "before the two could differ instead of from step 0 (deberta_jax.train.branching). Ignored once "
+                    "--workdir holds checkpoints of its own.")
 flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
                      "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
 
@@ -67,10 +72,12 @@ class NonFiniteError(FloatingPointError):
     """Training produced NaN or inf; the run stopped without saving the bad state."""
 
 
-def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
-    """The workdir's own tokenizer when resuming, else config.data.tokenizer, else the symbol tokenizer of
-    synthetic train_files, else one trained on train_files. A workdir with checkpoints but without its tokenizer
-    is refused: a checkpoint is never continued with another tokenizer.
+def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath,
+                      branch_from: storage.AnyPath | None = None):
+    """The workdir's own tokenizer when resuming, else the trunk's of a branch (`branch_from`), else
+    config.data.tokenizer, else the symbol tokenizer of synthetic train_files, else one trained on train_files. A
+    workdir with checkpoints but without its tokenizer is refused: a checkpoint is never continued with another
+    tokenizer.
 
     With several processes, process 0 trains the tokenizer and the others read it from the workdir: every
     process must map text to the same ids, and that should not rest on the trainer being deterministic.
@@ -83,6 +90,8 @@ def prepare_tokenizer(config: config_dict.ConfigDict, workdir: storage.AnyPath):
     sharding.sync_processes("tokenizer looked up")  # no process may see the file process 0 is about to write
     if resuming:  # config.data.tokenizer is ignored: the checkpoints' own tokenizer or none
         return checkpoint.load_tokenizer(workdir)
+    if branch_from is not None:  # the trunk's checkpoints read its token ids
+        return checkpoint.load_tokenizer(branch_from)
     if config.data.tokenizer:
         return tokenizer_lib.load_tokenizer(config.data.tokenizer)
     if synthetic.is_synthetic_spec(config.data.train_files):
@@ -154,18 +163,32 @@ def summarize(pending: list[tuple[int, dict]]) -> dict[str, float]:
                 learning_rate=float(last["learning_rate"]), param_norm=float(last["param_norm"]))
 
 
-def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None) -> dict:
+def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, stop_at_step: int | None = None,
+                       branch_from: str | Path | None = None) -> dict:
     """Trains (or resumes) the run in `workdir`, holding its lock throughout; returns the metrics logged at the last
-    step (none where a stop falls between two records).
+    step (none where a stop falls between two records). A `workdir` without checkpoints starts from `branch_from`'s
+    (`branching`) where given.
     Raises `preemption.Preempted` after saving a checkpoint when the run received SIGTERM. In a multi-process run, a
     process that stops responding ends this one with one line and `peers.EXIT_CODE`."""
     workdir = storage.path(workdir)
+    if branch_from is not None:
+        errors.check_location("--branch_from", str(branch_from))
+        branch_from = storage.path(branch_from)
+        storage.check_checkpoints(branch_from, "--branch_from")
+        if not checkpoint.has_checkpoints(workdir):
+            try:  # a folder that is not a training workdir, named before any work
+                checkpoint.read_config(branch_from)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"--branch_from: {err}") from None
+        else:
+            logging.info("%s holds checkpoints of its own: resuming them (--branch_from is not used)", workdir)
+            branch_from = None
     with peers.Watch("train.py", workdir) as progress:  # from the moment jax.distributed has joined the processes
         storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
         storage.check_checkpoints(workdir, "--workdir")
         # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
         with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
-            return _train(config, workdir, stop_at_step, progress)
+            return _train(config, workdir, stop_at_step, branch_from, progress)
 
 
 def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
@@ -197,10 +220,12 @@ def prepare_data(config: config_dict.ConfigDict, tokenizer, special) -> tuple:
     return short, long, evals
 
 
-def resume_or_initialize(workdir: storage.AnyPath, run: config_dict.ConfigDict, programs, keep: int):
-    """`(checkpoint manager, train state)`: the newest intact checkpoint of a run with this config, or a fresh
-    state where the workdir has none (interrupted saves cleared first, and never over a run whose checkpoints are
-    all damaged)."""
+def resume_or_initialize(workdir: storage.AnyPath, run: config_dict.ConfigDict, programs, keep: int,
+                         branch: tuple | None):
+    """`(checkpoint manager, train state, manager of the state's checkpoint)`: the newest intact checkpoint of a run
+    with this config, else the trunk's checkpoint a branch starts from (`branch`: the trunk's workdir, manager and
+    step), else a fresh state (interrupted saves cleared first, and never over a run whose checkpoints are all
+    damaged)."""
     if jax.process_index() == 0:
         for name in checkpoint.clear_interrupted_saves(workdir):
             logging.warning("removed %s: a save that was interrupted (the checkpoint before it is intact)", name)
@@ -212,10 +237,17 @@ def resume_or_initialize(workdir: storage.AnyPath, run: config_dict.ConfigDict, 
         targets = run_programs.abstract_with_sharding(programs.abstract_state, programs.state_sharding)
         state = checkpoint.restore_newest_intact(manager, targets, workdir)
         logging.info("resuming from the checkpoint at step %d", int(state.step))
+    elif branch is not None:
+        trunk_dir, trunk, step = branch
+        targets = run_programs.abstract_with_sharding(programs.abstract_state, programs.state_sharding)
+        state = checkpoint.restore(trunk, step, targets)
+        branching.start_branch(trunk_dir, workdir, step, jax.process_index() == 0)
+        sharding.sync_processes("branch started")
+        return manager, state, trunk
     if state is None:
         checkpoint.refuse_to_start_over(workdir)
         state = programs.init()
-    return manager, state
+    return manager, state, manager
 
 
 def evaluator(evals: list[dict], eval_step, batch_sharding):
@@ -235,7 +267,7 @@ def evaluator(evals: list[dict], eval_step, batch_sharding):
 
 
 def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_step: int | None,
-           progress: peers.Watch) -> dict:
+           branch_from: storage.AnyPath | None, progress: peers.Watch) -> dict:
     is_main = jax.process_index() == 0
 
     # ------------------------------------------------------------------ config & mesh
@@ -248,7 +280,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     logging.info("%d devices over %d processes; mesh %s", jax.device_count(), jax.process_count(), mesh.shape)
 
     # ------------------------------------------------------------------ input
-    tokenizer = prepare_tokenizer(config, workdir)
+    tokenizer = prepare_tokenizer(config, workdir, branch_from)
     vocab_size = tokenizer.get_vocab_size()
     model_config = dataclasses.replace(model_config, vocab_size=vocab_size)  # the model reads every token id
     run = config_checks.resolved(config, model_config)  # what config.json records
@@ -256,6 +288,10 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     # config.model.vocab_size must be refused (check_resumable), not silently ignored.
     trains_tokenizer = not (config.data.tokenizer or synthetic.is_synthetic_spec(config.data.train_files))
     run.data[VOCAB_REQUEST] = config.model.vocab_size if trains_tokenizer else None
+    branch = None
+    if branch_from is not None:  # refused before the data and the model are built
+        trunk = checkpoint.checkpoint_manager(branch_from, read_only=True)
+        branch = branch_from, trunk, branching.branch_step(branch_from, run, list(trunk.all_steps()))
     masker = batches.Masker(tokenizer_lib.SpecialIds.from_tokenizer(tokenizer), vocab_size,
                             config.data.mask_prob, config.data.whole_word_masking)
     short_phase, long_phase, evals = prepare_data(config, tokenizer, masker.special)
@@ -267,7 +303,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     logging.info("model: %s, %.2fM parameters", model_config, num_params / 1e6)
 
     # ------------------------------------------------------------------ checkpoint: resume or initialize
-    manager, state = resume_or_initialize(workdir, run, programs, keep=train_cfg.keep_checkpoints)
+    manager, state, origin = resume_or_initialize(workdir, run, programs, train_cfg.keep_checkpoints, branch)
     start_step = int(state.step)
     checkpoints = str(workdir / checkpoint.CHECKPOINT_DIR)
     if start_step:
@@ -283,7 +319,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     writer = metrics_io.MetricsWriter(workdir, resume_step=start_step, enabled=is_main)
     bar = tqdm(total=train_cfg.num_steps, initial=start_step, desc="train", unit="step", disable=not is_main)
     # (step, metrics) not yet logged: a resumed run goes on with the window its checkpoint saved.
-    pending: list[tuple[int, dict]] = checkpoint.restore_log_window(manager, start_step) if start_step else []
+    pending: list[tuple[int, dict]] = checkpoint.restore_log_window(origin, start_step) if start_step else []
     record: dict[str, float] = {}
     timer_start, timer_steps = time.perf_counter(), 0
 
@@ -369,7 +405,8 @@ def main(argv):
     deadlines.set_limit(FLAGS.storage_deadline_s, "train.py", "--storage_deadline_s")
     sharding.initialize_distributed(FLAGS.multiprocess)
     try:
-        train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step)
+        train_and_evaluate(FLAGS.config, FLAGS.workdir, stop_at_step=FLAGS.stop_at_step,
+                           branch_from=FLAGS.branch_from)
     except preemption.Preempted as notice:
         preemption.stop("train.py", notice)
 

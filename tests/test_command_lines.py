@@ -103,6 +103,10 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (EVAL + ["--hf_checkpoint", f"{tmp}/nowhere", "--data_files", "synthetic:markov:test", "--out", f"{tmp}/out"],
          1, f"eval.py: {tmp}/nowhere does not exist or is not a folder: give the folder of a Hugging Face checkpoint"),
         (TRAIN + CONFIG + ["--workdir", "gs:/bucket/run"], 1, "train.py: --workdir='gs:/bucket/run' is neither"),
+        (TRAIN + CONFIG + ["--workdir", f"{tmp}/branch", "--branch_from", "gs:/bucket/run"], 1,
+         "train.py: --branch_from='gs:/bucket/run' is neither"),
+        (TRAIN + CONFIG + ["--workdir", f"{tmp}/branch", "--branch_from", f"{tmp}/nowhere"], 1,
+         f"train.py: --branch_from: {tmp}/nowhere/config.json not found: {tmp}/nowhere is not a training workdir"),
         (CURVES + ["--workdir", f"bert={workdir}", "--workdir", f"bert={tmp}/other", "--out", f"{tmp}/curves"], 1,
          f"--workdir bert={workdir} and --workdir bert={tmp}/other share the label 'bert'; give each run a label of "
          "its own"),

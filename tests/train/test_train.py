@@ -22,8 +22,8 @@ from configs import deberta
 from deberta_jax.data import batches, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SpecialIds
-from deberta_jax.model.config import ModelConfig
-from deberta_jax.train import checkpoint, metrics_io, optim, steps
+from deberta_jax.model.config import ConfigError, ModelConfig
+from deberta_jax.train import branching, checkpoint, metrics_io, optim, steps
 from tests.helpers import run_on_fake_devices, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every test trains or reloads micro runs
@@ -115,6 +115,36 @@ def test_a_shared_long_phase_alternates_its_shapes_and_resumes_exactly(corpus, s
     config.train.long_share = 1.0
     train.train_and_evaluate(config, full)
     assert train_losses(full)[first_long - 1] != plain[first_long - 1]
+
+
+def test_a_branch_off_a_trunk_ends_where_the_whole_run_does(corpus, straight_run, tmp_path):
+    """A run with a long phase, branched off the plain run (which shares every step before the phase; its
+    min_row_length=seq_len cuts nothing), ends with the parameters and every logged loss of the same config trained
+    from step 0; its rerun resumes its own checkpoints."""
+    config = micro_config(corpus, long_steps=4, long_share=0.5)
+    config.data.long_seq_len, config.data.min_row_length = 64, 32
+    train.train_and_evaluate(config, tmp_path / "whole")
+    train.train_and_evaluate(config, tmp_path / "branch", branch_from=straight_run)
+    assert json.loads((tmp_path / "branch" / branching.BRANCH_FILE).read_text()) == dict(trunk=str(straight_run),
+                                                                                        step=STEPS - 4)
+    jax.tree.map(np.testing.assert_array_equal, restore_params(tmp_path / "branch"),
+                 restore_params(tmp_path / "whole"))
+    assert train_losses(tmp_path / "branch") == train_losses(tmp_path / "whole")
+    train.train_and_evaluate(config, tmp_path / "branch", branch_from=tmp_path / "nowhere")  # its own, finished
+
+
+def test_a_branch_is_refused_where_the_runs_differ_before_the_long_phase(corpus, straight_run, tmp_path):
+    config = micro_config(corpus, long_steps=4, learning_rate=2e-3)
+    config.data.long_seq_len = 64
+    with pytest.raises(ConfigError, match=r"trained another run before its long phase: config.train.learning_rate "
+                                          r"0.001 there, 0.002 here\. Branch off a run whose config differs only"):
+        train.train_and_evaluate(config, tmp_path / "lr", branch_from=straight_run)
+    config = micro_config(corpus, long_steps=6)  # shares steps 1-2; the trunk saved steps 4 and 8
+    config.data.long_seq_len = 64
+    with pytest.raises(ConfigError, match=r"no checkpoint at or before step 2, .* \(it holds \[4, 8\]\)\. Train "
+                                          r"the trunk with --stop_at_step=2"):
+        train.train_and_evaluate(config, tmp_path / "late", branch_from=straight_run)
+    assert not checkpoint.has_checkpoints(tmp_path / "late")
 
 
 def test_eight_devices_match_one(corpus, straight_run, tmp_path):
