@@ -1,7 +1,7 @@
 """Ablation sweeps: variants x seeds x training lengths -> training runs -> length evaluation -> report.
 
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py               # run everything here
-    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode print  # one command per run
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode print  # the commands, in order
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode score --runs=bert-L64-s0
 
@@ -11,8 +11,12 @@ invocation in its own workdir (`<root>/<variant>-L<len>-s<seed>`), so a sweep is
 (a checkpoint at `num_steps`) are skipped and interrupted ones resume from their last checkpoint. A SIGTERM to the
 sweep (a preemption notice) is passed on to the run training, which saves a checkpoint and stops; the sweep then
 names it and exits 143, as train.py does. Received while scoring, it stops the scoring the same way, every run scored
-before it kept. `--mode print` writes the same commands for a cluster scheduler instead of
-running them; `--mode report` evaluates whatever has finished. A finished run that trained on another config than
+before it kept. Runs that differ from an earlier run of the sweep only in their long phase
+(`deberta_jax.train.branching`) are not trained from step 0: the earlier run (the trunk) trains to the last step
+they share (`--stop_at_step`), each of them starts from that checkpoint (`train.py --branch_from`), and the trunk
+then trains on. `--mode print` writes the same commands, in that order, for a cluster scheduler instead of
+running them (a `--branch_from` command needs the trunk's `--stop_at_step` command before it done; a trunk's line
+comes twice); `--mode report` evaluates whatever has finished. A finished run that trained on another config than
 the sweep now gives it (another data file, another model size) is refused, naming what changed, instead of being
 skipped and reported as the new config's. Each run's evaluation is kept in its workdir (`length_eval.json`), so an
 interrupted report resumes and a finished one is rebuilt in seconds; it is keyed by the evaluation settings and by
@@ -45,7 +49,7 @@ from deberta_jax.data import errors, library_logs, packing, synthetic
 from deberta_jax.data.text import load_documents
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.study import length_study, report
-from deberta_jax.train import checkpoint, config_checks, preemption, workdir_lock
+from deberta_jax.train import branching, checkpoint, config_checks, preemption, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
 flags.DEFINE_enum("mode", "run", ["run", "print", "report", "score"],
@@ -93,15 +97,69 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
     return runs
 
 
-def latest_step(run: dict) -> int | None:
-    """The step of the newest checkpoint in the run's workdir (local or in a bucket), None before its first."""
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """One train.py invocation of the sweep's: `run` trained to `stop` (None: to its end), or started from `trunk`'s
+    checkpoint at step `stop_branch` (`branching`)."""
+
+    run: dict
+    stop: int | None = None
+    trunk: dict | None = None
+    branch_step: int | None = None
+
+    @property
+    def command(self) -> list[str]:
+        if self.trunk is not None:
+            return self.run["command"] + ["--branch_from", self.trunk["workdir"]]
+        return self.run["command"] + ([f"--stop_at_step={self.stop}"] if self.stop is not None else [])
+
+
+def branches(runs: list[dict]) -> dict[str, tuple[dict, int]]:
+    """`{name: (trunk, step)}` for each run that can start from an earlier run's checkpoint at `step` instead of from
+    step 0: the first run of the sweep that trains what it trains before its long phase (`branching.trunk_key`)."""
+    trunks: dict[str, tuple[dict, config_dict.ConfigDict]] = {}
+    found = {}
+    for run in runs:
+        config = config_checks.load_config_file(run["config"])
+        config.update_from_flattened_dict(run["overrides"])
+        trunk, trunk_config = trunks.setdefault(branching.trunk_key(config), (run, config))
+        step = min(branching.shared_steps(trunk_config), branching.shared_steps(config))
+        if trunk is not run and step:
+            found[run["name"]] = trunk, step
+    return found
+
+
+def trainings(runs: list[dict]) -> list[Training]:
+    """The train.py invocations that train `runs`, in order: each trunk to every step a branch starts from, those
+    branches, then the rest of the trunk; every other run whole."""
+    found = branches(runs)
+    order = []
+    for run in runs:
+        if run["name"] in found:
+            continue
+        for stop in sorted({step for trunk, step in found.values() if trunk is run}):
+            order.append(Training(run, stop=stop))
+            order += [Training(other, trunk=run, branch_step=stop) for other in runs
+                      if found.get(other["name"], (None, None)) == (run, stop)]
+        order.append(Training(run))
+    return order
+
+
+def checkpoint_steps(run: dict) -> list[int]:
+    """The steps of the checkpoints in the run's workdir (local or in a bucket), oldest first."""
     if not (storage.path(run["workdir"]) / checkpoint.CHECKPOINT_DIR).is_dir():
-        return None
+        return []
     manager = checkpoint.checkpoint_manager(run["workdir"], read_only=True)
     try:
-        return manager.latest_step()
+        return sorted(manager.all_steps())
     finally:
         manager.close()
+
+
+def latest_step(run: dict) -> int | None:
+    """The step of the newest checkpoint in the run's workdir, None before its first."""
+    steps = checkpoint_steps(run)
+    return steps[-1] if steps else None
 
 
 def finished(run: dict) -> bool:
@@ -195,8 +253,8 @@ def stopping_scoring_on_sigterm():
         signal.signal(signal.SIGTERM, previous)
 
 
-def train_run(run: dict) -> tuple[int, bool]:
-    """Runs `run`'s train.py; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal is
+def train_run(command: list[str]) -> tuple[int, bool]:
+    """Runs a train.py `command`; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal is
     passed on, so the run saves a checkpoint and stops as train.py does on its own (`preemption`), instead of
     training on after the sweep is gone."""
     noticed = threading.Event()
@@ -209,7 +267,7 @@ def train_run(run: dict) -> tuple[int, bool]:
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        process = subprocess.Popen(run["command"])
+        process = subprocess.Popen(command)
         if noticed.is_set():  # it came while the process was being started
             process.send_signal(signal.SIGTERM)
         status = process.wait()
@@ -218,19 +276,37 @@ def train_run(run: dict) -> tuple[int, bool]:
     return status, noticed.is_set()
 
 
+def next_command(training: Training) -> tuple[list[str] | None, str]:
+    """The command `training` needs now (None: nothing to do) and what to print about it. A branch whose trunk no
+    longer holds a checkpoint it can start from (a trunk trained before, whose retention dropped it) trains whole."""
+    run = training.run
+    if finished(run):
+        return None, "finished, skipped"
+    if training.stop is not None and (latest_step(run) or 0) >= training.stop:
+        return None, f"past step {training.stop}, where runs branch off it: skipped"
+    if (training.trunk is not None and not checkpoint_steps(run)
+            and not any(step <= training.branch_step for step in checkpoint_steps(training.trunk))):
+        return run["command"], (f"{training.trunk['name']} holds no checkpoint at or before step "
+                                f"{training.branch_step} to branch off, so it trains whole: {shlex.join(run['command'])}")
+    return training.command, shlex.join(training.command)
+
+
 def train_all(runs: list[dict]) -> None:
-    """Trains every run not finished, one after the other. Raises RunStopped when a SIGTERM stopped one."""
+    """Trains every run not finished, one after the other, branching runs off their trunks (`trainings`). Raises
+    RunStopped when a SIGTERM stopped one."""
     check_finished_runs(runs)
-    for i, run in enumerate(runs, 1):
-        if finished(run):
-            print(f"[{i}/{len(runs)}] {run['name']}: finished, skipped", flush=True)
+    order = trainings(runs)
+    for i, training in enumerate(order, 1):
+        run = training.run
+        command, said = next_command(training)
+        print(f"[{i}/{len(order)}] {run['name']}: {said}", flush=True)
+        if command is None:
             continue
-        print(f"[{i}/{len(runs)}] {run['name']}: {shlex.join(run['command'])}", flush=True)
-        status, stopped = train_run(run)
+        status, stopped = train_run(command)
         if status and not stopped:  # train.py has said why on its own stderr, just above
             raise ChildProcessError(
                 f"run {run['name']} failed (exit status {status}; its message is above): "
-                f"{shlex.join(run['command'])}. Fix the cause and run the sweep again: finished runs are skipped, "
+                f"{shlex.join(command)}. Fix the cause and run the sweep again: finished runs are skipped, "
                 "this one resumes")
         step = latest_step(run)
         if step == run["num_steps"]:  # not after a stop (--stop_at_step, SIGTERM), which leaves it to resume
@@ -440,8 +516,8 @@ def main(argv):
     if FLAGS.runs and FLAGS.mode != "score":
         raise ValueError(f"--runs applies to --mode score only (given with --mode {FLAGS.mode})")
     if FLAGS.mode == "print":
-        for run in runs:
-            print(shlex.join(run["command"]))  # with this interpreter: runs as printed from the repository root
+        for training in trainings(runs):
+            print(shlex.join(training.command))  # with this interpreter: runs as printed from the repository root
         return
     try:
         if FLAGS.mode == "score":  # locks each run's workdir, not the root: scoring processes run side by side

@@ -48,6 +48,11 @@ def _before_long_phase(run: config_dict.ConfigDict) -> config_dict.ConfigDict:
     return config_dict.ConfigDict(tree)
 
 
+def trunk_key(run: config_dict.ConfigDict) -> str:
+    """What `run` trains before its long phase, as a string: runs with equal keys can branch off one another."""
+    return json.dumps(_before_long_phase(run).to_dict(), sort_keys=True, default=str)
+
+
 def shared_steps(run: config_dict.ConfigDict) -> int:
     """The updates of `run` before its long phase (all of them without one)."""
     return run.train.num_steps - run.train.get("long_steps", 0)

@@ -1,21 +1,23 @@
 """Ablation sweep: every variant of the ablation config trains and extrapolates; the runner skips finished runs."""
 
 import copy
+import json
 import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from ml_collections import config_dict
 
 import train
-from configs.sweeps import ablation, natural, synthetic
+from configs.sweeps import ablation, natural, synthetic, variants
 from deberta_jax.data import errors
 from deberta_jax.data.text import load_documents
 from deberta_jax.study import length_study, sweep
-from deberta_jax.train import checkpoint, config_checks, workdir_lock
+from deberta_jax.train import checkpoint, config_checks, metrics_io, workdir_lock
 from tests.helpers import REPO, variant_config, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every variant trains and is length-evaluated
@@ -69,9 +71,41 @@ def test_runner_plans_commands_and_skips_finished_runs(corpus, tmp_path, monkeyp
     # Trained at micro size, not the smoke config's: what is tested here is the skipping.
     monkeypatch.setattr(sweep, "changed_since_trained", lambda run: None)
     launched = []
-    monkeypatch.setattr(sweep, "train_run", lambda run: launched.append(run["command"]) or (0, False))
+    monkeypatch.setattr(sweep, "train_run", lambda command: launched.append(command) or (0, False))
     sweep.train_all(runs)
     assert launched == [runs[1]["command"]]
+
+
+def test_runs_that_differ_only_in_their_long_phase_branch_off_the_first(corpus, tmp_path):
+    """A sweep of a plain run and two long phases (one of them on rows cut to L, which cuts nothing before the phase)
+    trains the plain run to the last step they share, starts both long phases there (`--branch_from`), then trains
+    the plain run on; printed in that order. A rerun skips all three."""
+    plan = ablation.get_config("smoke")
+    plan.workdir_root = str(tmp_path / "runs")
+    common = plan.common_overrides
+    common.data.update(train_files=str(corpus / "train.txt"), eval_files="", tokenizer=str(corpus / "tokenizer.json"),
+                       cache_dir=str(corpus / "cache"))
+    common.train.update(num_steps=4, log_every=1, checkpoint_every=4)
+    plan.variants = [variants.variant("deberta", variants.DEBERTA),
+                     variants.variant("deberta-long", variants.DEBERTA, train=dict(long_steps=2),
+                                      data=dict(long_seq_len=32)),
+                     variants.variant("deberta-long-mixed", variants.DEBERTA, train=dict(long_steps=2, long_share=0.5),
+                                      data=dict(long_seq_len=32, min_row_length=16))]
+    runs = sweep.planned_runs(plan)
+    trunk, *others = runs
+    order = [(t.run["name"], t.command[len(t.run["command"]):]) for t in sweep.trainings(runs)]
+    assert order == [(trunk["name"], ["--stop_at_step=2"]),
+                     *((run["name"], ["--branch_from", trunk["workdir"]]) for run in others), (trunk["name"], [])]
+    printed = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep", "configs/sweeps/ablation.py:smoke",
+                              "--mode", "print"], cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    assert "--branch_from" not in printed  # the smoke sweep's bert and deberta share nothing
+    sweep.train_all(runs)
+    for run in others:
+        assert json.loads((Path(run["workdir"]) / "branch.json").read_text()) == dict(trunk=trunk["workdir"], step=2)
+        logged = [record["step"] for record in metrics_io.read_metrics(run["workdir"]) if "loss" in record]
+        assert sweep.finished(run) and logged == [1, 2, 3, 4]  # the trunk's first two, then its own
+    assert sweep.finished(trunk) and not (Path(trunk["workdir"]) / "branch.json").exists()
+    assert all(sweep.next_command(t)[0] is None for t in sweep.trainings(runs))
 
 
 @pytest.mark.parametrize("module, smoke, full", [(ablation, "smoke", "cpu"), (natural, "smoke", ""),
@@ -98,7 +132,8 @@ def test_a_failed_run_is_named_with_its_command_in_one_line(tmp_path):
     """What the sweep's argument errors (passed on to train.py) and failed runs end in."""
     command = [sys.executable, "-c", "raise SystemExit(3)"]
     with pytest.raises(ChildProcessError) as info:
-        sweep.train_all([dict(name="bert-L16-s0", workdir=str(tmp_path / "run"), command=command, num_steps=4)])
+        sweep.train_all([dict(name="bert-L16-s0", workdir=str(tmp_path / "run"), command=command, num_steps=4,
+                              config="configs/bert.py:micro", overrides={})])
     assert isinstance(info.value, errors.USER_ERRORS)  # reported as one line, without a traceback
     message = str(info.value)
     assert "\n" not in message and "run bert-L16-s0 failed (exit status 3" in message
@@ -119,8 +154,8 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
     plan.common_overrides.data.cache_dir = str(tmp_path / "cache")
     [run] = sweep.planned_runs(plan)
 
-    def train_in_process(planned):
-        assert planned["command"] == run["command"]
+    def train_in_process(command):
+        assert command == run["command"]
         config = config_checks.load_config_file(run["config"])
         config.update_from_flattened_dict(run["overrides"])
         train.train_and_evaluate(config, run["workdir"])
@@ -131,7 +166,7 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
     assert (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).is_file()
     assert sweep.changed_since_trained(run) is None
     sweep.train_all([run])  # skipped: train_in_process would refuse a second training
-    monkeypatch.setattr(sweep, "train_run", lambda run: pytest.fail("trained again"))
+    monkeypatch.setattr(sweep, "train_run", lambda command: pytest.fail("trained again"))
 
     def refusal(**changes) -> str:
         changed = copy.deepcopy(plan)
