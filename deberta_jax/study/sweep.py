@@ -100,7 +100,7 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
 @dataclasses.dataclass(frozen=True)
 class Training:
     """One train.py invocation of the sweep's: `run` trained to `stop` (None: to its end), or started from `trunk`'s
-    checkpoint at step `stop_branch` (`branching`)."""
+    checkpoint at step `branch_step` (`branching`)."""
 
     run: dict
     stop: int | None = None
