@@ -41,8 +41,16 @@ from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.data.text import DocumentStream
 from deberta_jax.model.config import COMPUTATION_FIELDS, ModelConfig
 from deberta_jax.storage import deadlines
-from deberta_jax.train import branching, checkpoint, config_checks, metrics_io, peers, preemption, sharding
-from deberta_jax.train import workdir_lock
+from deberta_jax.train import (
+    branching,
+    checkpoint,
+    config_checks,
+    metrics_io,
+    peers,
+    preemption,
+    sharding,
+    workdir_lock,
+)
 from deberta_jax.train import programs as run_programs
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:tiny.", lock_config=True)
@@ -53,8 +61,9 @@ flags.DEFINE_float("storage_deadline_s", deadlines.DEFAULT_LIMIT_S, "How long on
                    "checkpoint save, an upload, a lock renewal) may run before the run stops with one line naming it: "
                    "a store that accepts connections and never answers would otherwise hang it.", lower_bound=1)
 flags.DEFINE_string("branch_from", None, "A workdir whose run differs from this one only in its long phase "
-                    "(config.train.long_steps and what goes with it): a new --workdir starts from its newest checkpoint "
-                    "before the two could differ instead of from step 0 (deberta_jax.train.branching). Ignored once "
+                    "(config.train.long_steps and what goes with it): a new --workdir starts from its newest "
+                    "checkpoint before the two could differ instead of from step 0 (deberta_jax.train.branching). "
+                    "Ignored once "
                     "--workdir holds checkpoints of its own.")
 flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
                      "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")

@@ -125,7 +125,8 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     step), with and without the learned temperature; the learned temperature on rows cut to L/4-L tokens throughout;
     and the learned temperature with a long phase whose rows are cut to L-4L, L-8L or L-`reach`L tokens (`-mixed`),
     so that the last updates still see rows of L among the long ones, and the longest phase every key count the
-    scoring reaches; the longest phase with every other step on full rows of L (`-half`); and the learned rate (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
+    scoring reaches; the longest phase with every other step on full rows of L (`-half`); and the learned rate
+    (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
     with the key count where the slope cannot."""
     def long(multiple, share=1.0, **data):
         train = dict(long_steps=steps // 10, **({"long_share": share} if share != 1 else {}))

@@ -254,8 +254,8 @@ def stopping_scoring_on_sigterm():
 
 
 def train_run(command: list[str]) -> tuple[int, bool]:
-    """Runs a train.py `command`; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal is
-    passed on, so the run saves a checkpoint and stops as train.py does on its own (`preemption`), instead of
+    """Runs a train.py `command`; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal
+    is passed on, so the run saves a checkpoint and stops as train.py does on its own (`preemption`), instead of
     training on after the sweep is gone."""
     noticed = threading.Event()
     process = None
@@ -287,7 +287,8 @@ def next_command(training: Training) -> tuple[list[str] | None, str]:
     if (training.trunk is not None and not checkpoint_steps(run)
             and not any(step <= training.branch_step for step in checkpoint_steps(training.trunk))):
         return run["command"], (f"{training.trunk['name']} holds no checkpoint at or before step "
-                                f"{training.branch_step} to branch off, so it trains whole: {shlex.join(run['command'])}")
+                                f"{training.branch_step} to branch off, so it trains whole: "
+                                + shlex.join(run["command"]))
     return training.command, shlex.join(training.command)
 
 

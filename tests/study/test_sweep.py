@@ -96,8 +96,9 @@ def test_runs_that_differ_only_in_their_long_phase_branch_off_the_first(corpus, 
     order = [(t.run["name"], t.command[len(t.run["command"]):]) for t in sweep.trainings(runs)]
     assert order == [(trunk["name"], ["--stop_at_step=2"]),
                      *((run["name"], ["--branch_from", trunk["workdir"]]) for run in others), (trunk["name"], [])]
-    printed = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep", "configs/sweeps/ablation.py:smoke",
-                              "--mode", "print"], cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    printed = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep",
+                              "configs/sweeps/ablation.py:smoke", "--mode", "print"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120).stdout
     assert "--branch_from" not in printed  # the smoke sweep's bert and deberta share nothing
     sweep.train_all(runs)
     for run in others:
