@@ -79,10 +79,13 @@ def test_resume_equals_straight_run(corpus, straight_run, tmp_path):
     assert sorted(train_losses(tmp_path)) == list(range(1, STEPS + 1))  # no step logged twice
 
 
-def test_a_long_final_phase_trains_only_its_steps_on_long_rows_and_resumes_exactly(corpus, straight_run, tmp_path):
-    """Short-then-long: the steps before the phase are the plain run's, the phase's differ, and a run stopped
-    inside the phase resumes to the uninterrupted run's parameters and losses."""
-    config = micro_config(corpus, long_steps=3)
+@pytest.mark.parametrize("long_steps,long_share", [(3, 1.0), (4, 0.5)], ids=["whole", "alternating"])
+def test_a_long_final_phase_trains_only_its_long_steps_on_long_rows_and_resumes_exactly(
+        corpus, straight_run, tmp_path, long_steps, long_share):
+    """Short-then-long: the steps before the phase's first long step are the plain run's (with long_share=0.5 the
+    phase's steps alternate short, long, short, long, so its first step is too), every later one differs, and a
+    run stopped inside the phase resumes to the uninterrupted run's parameters and losses."""
+    config = micro_config(corpus, long_steps=long_steps, long_share=long_share)
     config.data.long_seq_len = 64  # 4 rows of 64 tokens instead of 8 of 32
     train.train_and_evaluate(config, tmp_path / "straight")
     train.train_and_evaluate(config, tmp_path / "resumed", stop_at_step=STEPS - 1)
@@ -91,30 +94,9 @@ def test_a_long_final_phase_trains_only_its_steps_on_long_rows_and_resumes_exact
                  restore_params(tmp_path / "straight"))
     long, plain = train_losses(tmp_path / "straight"), train_losses(straight_run)
     assert train_losses(tmp_path / "resumed") == long
-    first_long = STEPS - 3 + 1
+    first_long = STEPS - 2  # both cases: the 3-step phase's first step, the 4-step phase's second
     assert [long[s] for s in range(1, first_long)] == [plain[s] for s in range(1, first_long)]
     assert all(long[s] != plain[s] for s in range(first_long, STEPS + 1))
-
-
-def test_a_shared_long_phase_alternates_its_shapes_and_resumes_exactly(corpus, straight_run, tmp_path):
-    """With train.long_share=0.5 the phase's steps alternate short, long, short, long: its first step is the plain
-    run's, and a run stopped after its second short step resumes to the uninterrupted run's parameters and losses."""
-    config = micro_config(corpus, long_steps=4, long_share=0.5)
-    config.data.long_seq_len = 64
-    train.train_and_evaluate(config, tmp_path / "straight")
-    train.train_and_evaluate(config, tmp_path / "resumed", stop_at_step=STEPS - 1)
-    train.train_and_evaluate(config, tmp_path / "resumed")
-    jax.tree.map(np.testing.assert_array_equal, restore_params(tmp_path / "resumed"),
-                 restore_params(tmp_path / "straight"))
-    shared, plain = train_losses(tmp_path / "straight"), train_losses(straight_run)
-    assert train_losses(tmp_path / "resumed") == shared
-    first_long = STEPS - 4 + 2
-    assert [shared[s] for s in range(1, first_long)] == [plain[s] for s in range(1, first_long)]
-    assert shared[first_long] != plain[first_long]
-    full = tmp_path / "full"  # the same phase with every step long departs from the plain run a step earlier
-    config.train.long_share = 1.0
-    train.train_and_evaluate(config, full)
-    assert train_losses(full)[first_long - 1] != plain[first_long - 1]
 
 
 def test_a_branch_off_a_trunk_ends_where_the_whole_run_does(corpus, straight_run, tmp_path):
