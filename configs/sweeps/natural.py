@@ -53,7 +53,8 @@ trains the learned temperature on rows cut to 16-64 tokens (the key count varies
 `-learned-long<N>-mixed` runs end with a long phase of rows of N tokens each cut to 64-N, for N = 256, 512 and 2,048
 (the last covers every key count the scoring reaches, at the highest cost per token), and `-half` alternates that
 longest phase's steps with steps on full rows of 64 (`train.long_share=0.5`), so the model keeps training at the
-length it is scored at most while it sees every key count. Scalable-Softmax's slope only
+length it is scored at most while it sees every key count; `-half2000` does so over the last 2,000 steps, as many
+long steps as the phase it halves. Scalable-Softmax's slope only
 scales a head's scores (its factor grows by log(n) / log(L) whatever it learns), so `-rate-long512-mixed` trains the
 64-512 phase with a temperature whose growth with log(keys) is learned (`attention_temperature="learned_rate"`). Its
 runs share runs/natural with `:far`, whose `deberta-emd` and
@@ -125,11 +126,12 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     step), with and without the learned temperature; the learned temperature on rows cut to L/4-L tokens throughout;
     and the learned temperature with a long phase whose rows are cut to L-4L, L-8L or L-`reach`L tokens (`-mixed`),
     so that the last updates still see rows of L among the long ones, and the longest phase every key count the
-    scoring reaches; the longest phase with every other step on full rows of L (`-half`); and the learned rate
+    scoring reaches; the longest phase with every other step on full rows of L (`-half`), and over twice the steps
+    so that it keeps the longest phase's number of long steps (`-half<2N>`); and the learned rate
     (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
     with the key count where the slope cannot."""
-    def long(multiple, share=1.0, **data):
-        train = dict(long_steps=steps // 10, **({"long_share": share} if share != 1 else {}))
+    def long(multiple, share=1.0, phase=steps // 10, **data):
+        train = dict(long_steps=phase, **({"long_share": share} if share != 1 else {}))
         return dict(train=train, data=dict(long_seq_len=multiple * seq_len, **data))
 
     mixed = dict(data=dict(min_row_length=seq_len // 4))
@@ -141,6 +143,9 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
               for m in (4, 8, reach)),
             variants.variant(f"deberta-emd-learned-long{reach * seq_len}-mixed-half", variants.DEBERTA,
                              **long(reach, share=0.5, min_row_length=seq_len), **_LEARNED,
+                             **_room_for(reach * seq_len)),
+            variants.variant(f"deberta-emd-learned-long{reach * seq_len}-mixed-half{steps // 5}", variants.DEBERTA,
+                             **long(reach, share=0.5, phase=steps // 5, min_row_length=seq_len), **_LEARNED,
                              **_room_for(reach * seq_len)),
             variants.variant(f"deberta-emd-rate-long{8 * seq_len}-mixed", variants.DEBERTA,
                              **long(8, min_row_length=seq_len), **_RATE, **_room_for(8 * seq_len))]
@@ -178,7 +183,8 @@ def get_config(arg: str = ""):
            f"tokens (the same tokens per step); `-mixed{seq_len // 4}` runs trained on rows cut to a random length of "
            f"{seq_len // 4}-{seq_len} tokens; `-long<N>-mixed` runs trained their last {steps // 10:,} steps on "
            f"rows of N tokens each cut to a random length of {seq_len}-N (`-half`: every other one of those "
-           f"steps on full rows of {seq_len} instead); `-rate` runs trained the factor "
+           f"steps on full rows of {seq_len} instead; `-half{steps // 5}`: the same over the last {steps // 5:,} "
+           "steps); `-rate` runs trained the factor "
            f"1 + r_h log(n / {seq_len}) instead of the slope." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")

@@ -188,11 +188,11 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                 "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16",
                          "deberta-emd-learned-long256-mixed", "deberta-emd-learned-long512-mixed",
                          "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
-                         "deberta-emd-rate-long512-mixed"],
+                         "deberta-emd-learned-long2048-mixed-half2000", "deberta-emd-rate-long512-mixed"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
                                "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
-                               "deberta-emd-rate-long1024-mixed"],
+                               "deberta-emd-learned-long2048-mixed-half1000", "deberta-emd-rate-long1024-mixed"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -207,9 +207,9 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         assert sorted(lengths.values()) == sorted([(steps, 4 * n, 0, n), (steps, 4 * n, 0, n), (0, 0, n // 4, n),
                                                    (steps, 4 * n, n, n), (steps, 8 * n, n, n),
                                                    (steps, reach * n, n, n), (steps, reach * n, n, n),
-                                                   (steps, 8 * n, n, n)])
+                                                   (2 * steps, reach * n, n, n), (steps, 8 * n, n, n)])
         half = f"deberta-emd-learned-long{reach * n}-mixed-half"  # every other step of the longest phase on L
-        assert shares.pop(half) == 0.5 and set(shares.values()) == {1.0}
+        assert shares.pop(half) == shares.pop(f"{half}{2 * steps}") == 0.5 and set(shares.values()) == {1.0}
         assert lengths[half] == lengths[f"deberta-emd-learned-long{reach * n}-mixed"]
         assert resolved[f"deberta-emd-rate-long{8 * n}-mixed"].model.attention_temperature == "learned_rate"
         # Relative models train on rows of at most max_position_embeddings: the longest phase needs room.
