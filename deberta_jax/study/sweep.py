@@ -280,11 +280,12 @@ def next_command(training: Training) -> tuple[list[str] | None, str]:
     """The command `training` needs now (None: nothing to do) and what to print about it. A branch whose trunk no
     longer holds a checkpoint it can start from (a trunk trained before, whose retention dropped it) trains whole."""
     run = training.run
-    if finished(run):
+    steps = checkpoint_steps(run)  # one listing of the workdir for every question below
+    if steps and steps[-1] == run["num_steps"]:
         return None, "finished, skipped"
-    if training.stop is not None and (latest_step(run) or 0) >= training.stop:
+    if training.stop is not None and steps and steps[-1] >= training.stop:
         return None, f"past step {training.stop}, where runs branch off it: skipped"
-    if (training.trunk is not None and not checkpoint_steps(run)
+    if (training.trunk is not None and not steps
             and not any(step <= training.branch_step for step in checkpoint_steps(training.trunk))):
         return run["command"], (f"{training.trunk['name']} holds no checkpoint at or before step "
                                 f"{training.branch_step} to branch off, so it trains whole: "

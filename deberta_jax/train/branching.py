@@ -61,7 +61,8 @@ def shared_steps(run: config_dict.ConfigDict) -> int:
 def branch_step(trunk: storage.AnyPath, run: config_dict.ConfigDict, trunk_steps: list[int]) -> int:
     """The checkpoint of `trunk` (which holds `trunk_steps`) that `run` starts from: the newest one both runs would
     have trained identically. Refuses, naming the fields or the steps, where there is none."""
-    differ = config_checks.differences(_before_long_phase(checkpoint.read_config(trunk)), _before_long_phase(run))
+    trunk_run = checkpoint.read_config(trunk)
+    differ = config_checks.differences(_before_long_phase(trunk_run), _before_long_phase(run))
     if differ:
         raise ConfigError(
             f"--branch_from={trunk} trained another run before its long phase: "
@@ -69,7 +70,7 @@ def branch_step(trunk: storage.AnyPath, run: config_dict.ConfigDict, trunk_steps
             + ". Branch off a run whose config differs only in "
             + ", ".join(f"config.{field}" for field in LONG_PHASE_FIELDS)
             + ", or train this one from its first step without --branch_from.")
-    last = min(shared_steps(checkpoint.read_config(trunk)), shared_steps(run))
+    last = min(shared_steps(trunk_run), shared_steps(run))
     usable = [step for step in trunk_steps if step <= last]
     if not usable:
         raise ConfigError(
