@@ -237,20 +237,40 @@ class ScoringStopped(Exception):
     """A SIGTERM to the sweep (a preemption notice) while it scored: the runs scored before it keep their cached
     evaluations."""
 
+    def __init__(self):
+        super().__init__(f"preempted (SIGTERM) while scoring: every run scored before it keeps its evaluation in its "
+                         f"workdir ({EVAL_CACHE}); rerun the same command to score the rest")
+
+
+# Set by the scoring block's SIGTERM handler. A signal is process-wide, so is the notice.
+_sigterm_while_scoring = threading.Event()
+
 
 @contextlib.contextmanager
 def stopping_scoring_on_sigterm():
     """Within the block a SIGTERM raises `ScoringStopped` in the main thread, so the run being scored gives back its
-    workdir's lock on the way out instead of the process ending inside it."""
-    def stop(signum, frame):
-        raise ScoringStopped(f"preempted (SIGTERM) while scoring: every run scored before it keeps its evaluation in "
-                             f"its workdir ({EVAL_CACHE}); rerun the same command to score the rest")
+    workdir's lock on the way out instead of the process ending inside it.
 
+    The exception is raised wherever the main thread happens to be, and library code there may catch it (jax's
+    compilation cache turns any error reading an entry into a warning and compiles anew). So the notice is also
+    remembered: `stop_if_sigterm_noticed` raises it again after the run it landed in, and so does the block's end."""
+    def stop(signum, frame):
+        _sigterm_while_scoring.set()
+        raise ScoringStopped()
+
+    _sigterm_while_scoring.clear()
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
+        stop_if_sigterm_noticed()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def stop_if_sigterm_noticed() -> None:
+    """Raises `ScoringStopped` if a SIGTERM reached the scoring block and its first raise was swallowed."""
+    if _sigterm_while_scoring.is_set():
+        raise ScoringStopped()
 
 
 def train_run(command: list[str]) -> tuple[int, bool]:
@@ -391,6 +411,7 @@ def score_run(run: dict, settings, datasets: dict, base: dict, corpora: dict) ->
         records, skipped = cached_study(
             os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
             lambda: length_study.load_workdir_model(run["workdir"]), datasets, settings, corpora)
+    stop_if_sigterm_noticed()  # its evaluation is cached; the next run is not begun
     now = length_study.run_identity(run["workdir"], run["num_steps"])
     return [dict(r, **now) for r in records], [dict(s, **now) for s in skipped]
 

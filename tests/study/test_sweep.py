@@ -4,6 +4,7 @@ import copy
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -303,6 +304,28 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     plan.eval.num_targets += 1
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
+
+
+def swallowing_a_sigterm() -> None:
+    """A SIGTERM whose exception lands in library code that catches every error, as jax's compilation cache does
+    while it reads an entry."""
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    except Exception:
+        pass
+
+
+def test_a_sigterm_swallowed_where_it_landed_still_stops_scoring_after_the_run():
+    with pytest.raises(sweep.ScoringStopped, match="every run scored before it keeps its evaluation"):
+        with sweep.stopping_scoring_on_sigterm():
+            swallowing_a_sigterm()
+            sweep.stop_if_sigterm_noticed()  # where score_run asks, once the run's evaluation is cached
+            raise AssertionError("scored on past the notice")
+    with pytest.raises(sweep.ScoringStopped):  # noticed after the last run: the block's end raises it
+        with sweep.stopping_scoring_on_sigterm():
+            swallowing_a_sigterm()
+    with sweep.stopping_scoring_on_sigterm():  # a later block starts without the old notice
+        sweep.stop_if_sigterm_noticed()
 
 
 def test_scoring_named_runs_refuses_unknown_or_unfinished_ones_naming_the_sweeps_runs(tmp_path):
