@@ -86,17 +86,11 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
                  "--lengths", "100000"], 1, "--lengths=100000 is out of range"),
         (EVAL + ["--workdir", workdir, "--data_files", "synthetic:markov:test", "--checkpoint", "abc", "--out",
                  f"{tmp}/out"], 1, "--checkpoint='abc'"),
-        # Flags whose values would quietly score, train or write something else than asked (each kind once here;
-        # every field's refusal: tests/study/test_evaluation.py).
+        # Flags whose values would quietly score, train or write something else than asked: one row per check that
+        # guards them (every setting's refusal: tests/study/test_evaluation.py, in-process).
         *[(EVAL + ["--workdir", workdir, "--data_files", "synthetic:markov:test", "--out", f"{tmp}/out", *flags], 1,
            message) for flags, message in [
             (["--methods", "window,window"], "eval.py: methods: 'window' given twice; give each once"),
-            (["--policies="], "eval.py: policies: none given"),
-            (["--multiples="], "eval.py: multiples: none given, so there is no length to score"),
-            (["--max_eval_tokens=-100"], "eval.py: max_eval_tokens=-100: give a number of tokens"),
-            (["--bootstrap", "0"], "eval.py: bootstrap=0: the 95% intervals are percentiles"),
-            (["--mask_seed", "-1"], "eval.py: mask_seed=-1: the seed of the fixed targets must be an integer from 0 "
-             "up"),
             (["--workdir", ""], "eval.py: --workdir is empty: give a folder"),
             (["--hf_checkpoint", "gs:/bucket/hub"], "eval.py: --hf_checkpoint='gs:/bucket/hub' is neither a bucket URL "
              "nor a local path: write gs://bucket/hub (two slashes)")]],
@@ -189,6 +183,7 @@ def run_table(table: list[tuple]) -> list[subprocess.CompletedProcess]:
     return results
 
 
+@pytest.mark.long
 def test_bad_input_ends_in_one_line_without_a_traceback(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "a_file").write_text("")
@@ -250,6 +245,7 @@ def trained_rows(tmp, run: str) -> list[tuple]:
 
 
 @pytest.mark.slow  # trains a run of 4 steps, then scores, exports and stops one
+@pytest.mark.long
 def test_faults_around_a_trained_run_end_in_one_line(tmp_path):
     sweep = smoke_sweep(tmp_path)
     command = shlex.split(run(Row(sweep + ["--mode", "print"], 0, "")).stdout.splitlines()[0])

@@ -59,6 +59,7 @@ def test_eval_scores_a_synthetic_run_with_the_floor_and_the_oracle(workdir, tmp_
     assert "CheckpointManager created" not in result.stderr
 
 
+@pytest.mark.long
 def test_a_killed_evaluation_keeps_the_previous_results_and_the_rerun_completes(workdir, tmp_path):
     """SIGKILL at random moments of an evaluation writing over an earlier one, then the same command again: every
     report file is at all times the earlier run's or the new one's, no temporary is left, and the rerun completes."""

@@ -142,6 +142,7 @@ def test_hlo_census_counts_gathers_and_collective_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_command_prints_and_writes_the_figures(tmp_path):
     out = tmp_path / "aot.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}

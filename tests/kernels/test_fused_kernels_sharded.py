@@ -71,6 +71,7 @@ print("losses", fused_losses)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"])
 def test_dropout_mask_and_sharded_train_step_with_a_fused_kernel_match_one_device(kernel):
     stdout = run_on_fake_devices(["-c", f"KERNEL = {kernel!r}\n" + SCRIPT]).stdout

@@ -263,6 +263,7 @@ def test_a_label_is_one_model_whose_runs_differ_only_in_seed(tmp_path):
     (dict(multiples=()), "multiples: none given, so there is no length to score"),
     (dict(max_eval_tokens=-100), "max_eval_tokens=-100: give a number of tokens to keep"),
     (dict(bootstrap=0), "bootstrap=0: the 95% intervals are percentiles over resamples"),
+    (dict(mask_seed=-1), "mask_seed=-1: the seed of the fixed targets must be an integer from 0 up"),
 ])
 def test_settings_that_would_score_something_else_than_asked_are_refused(fields, message):
     """eval.py's flags and a sweep's `eval` section alike (rows of tests/test_command_lines.py run a few as typed)."""
