@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -522,12 +522,15 @@ class Progress:
 
 
 def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], settings: StudySettings,
-              corpora: dict | None = None, warnings: list[str] | None = None):
+              corpora: dict | None = None, warnings: list[str] | None = None,
+              before_each_unit: Callable[[], None] | None = None):
     """Score every model on every dataset; returns (records, skipped).
 
     `corpora` caches the tokenized, masked eval streams per (dataset, tokenizer); pass the same dict
     to calls that score models one at a time so each stream is built once. What makes a result doubtful (a text
-    the tokenizer cannot read) is logged and appended to `warnings`, for the report's summary.
+    the tokenizer cannot read) is logged and appended to `warnings`, for the report's summary. `before_each_unit` is
+    called before each model is scored at each length; what it raises ends the study there (a sweep's preemption
+    notice: a signal handler that raised would do so inside whatever code the signal interrupted).
     """
     records, skipped = [], []
     models = with_methods(models, settings.methods, skipped)
@@ -579,6 +582,8 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                 for policy in policies_for(em.model, settings.policies):
                     scorer = scorer_for(em.model, policy)
                     for eval_len in lengths:
+                        if before_each_unit is not None:
+                            before_each_unit()
                         progress.advance()
                         reason = refusal(em.model, policy, eval_len)
                         common = dict(policy=policy, dataset=dataset, eval_len=eval_len)

@@ -248,18 +248,13 @@ _sigterm_while_scoring = threading.Event()
 
 @contextlib.contextmanager
 def stopping_scoring_on_sigterm():
-    """Within the block a SIGTERM raises `ScoringStopped` in the main thread, so the run being scored gives back its
-    workdir's lock on the way out instead of the process ending inside it.
-
-    The exception is raised wherever the main thread happens to be, and library code there may catch it (jax's
-    compilation cache turns any error reading an entry into a warning and compiles anew). So the notice is also
-    remembered: `stop_if_sigterm_noticed` raises it again after the run it landed in, and so does the block's end."""
-    def stop(signum, frame):
-        _sigterm_while_scoring.set()
-        raise ScoringStopped()
-
+    """Within the block a SIGTERM stops the scoring before its next unit of work (a model at one length: `score_run`
+    hands `stop_if_sigterm_noticed` to the study), or at the block's end, by raising `ScoringStopped`; the run being
+    scored gives back its workdir's lock on the way out instead of the process ending inside it. The handler only
+    takes note: an exception raised from it would land wherever the main thread is, and library code there may catch
+    it (jax's compilation cache turns any error while it reads an entry into a warning, and compiles anew)."""
     _sigterm_while_scoring.clear()
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _sigterm_while_scoring.set())
     try:
         yield
         stop_if_sigterm_noticed()
@@ -268,7 +263,7 @@ def stopping_scoring_on_sigterm():
 
 
 def stop_if_sigterm_noticed() -> None:
-    """Raises `ScoringStopped` if a SIGTERM reached the scoring block and its first raise was swallowed."""
+    """Raises `ScoringStopped` once a SIGTERM has reached the scoring block."""
     if _sigterm_while_scoring.is_set():
         raise ScoringStopped()
 
@@ -382,7 +377,8 @@ def cached_study(cache_path: str, fingerprint: dict, load_model, datasets, setti
         else:
             if cached.get("fingerprint") == fingerprint:
                 return cached["records"], cached["skipped"]
-    records, skipped = length_study.run_study([load_model()], datasets, settings, corpora)
+    records, skipped = length_study.run_study([load_model()], datasets, settings, corpora,
+                                              before_each_unit=stop_if_sigterm_noticed)
     report.check_finite(records)
     storage.write_text(cache_path, json.dumps(dict(fingerprint=fingerprint, records=records, skipped=skipped)))
     return records, skipped
@@ -411,7 +407,6 @@ def score_run(run: dict, settings, datasets: dict, base: dict, corpora: dict) ->
         records, skipped = cached_study(
             os.path.join(run["workdir"], EVAL_CACHE), dict(base, checkpoint=identity),
             lambda: length_study.load_workdir_model(run["workdir"]), datasets, settings, corpora)
-    stop_if_sigterm_noticed()  # its evaluation is cached; the next run is not begun
     now = length_study.run_identity(run["workdir"], run["num_steps"])
     return [dict(r, **now) for r in records], [dict(s, **now) for s in skipped]
 
