@@ -248,7 +248,7 @@ _sigterm_while_scoring = threading.Event()
 
 @contextlib.contextmanager
 def stopping_scoring_on_sigterm():
-    """Within the block a SIGTERM stops the scoring before its next unit of work (a model at one length: `score_run`
+    """Within the block a SIGTERM stops the scoring before its next unit of work (a model at one length: `cached_study`
     hands `stop_if_sigterm_noticed` to the study), or at the block's end, by raising `ScoringStopped`; the run being
     scored gives back its workdir's lock on the way out instead of the process ending inside it. The handler only
     takes note: an exception raised from it would land wherever the main thread is, and library code there may catch
