@@ -206,7 +206,8 @@ def test_a_runs_cached_evaluation_is_redone_for_other_study_settings_or_another_
     train.train_and_evaluate(config, workdir)
     evaluated = []
     monkeypatch.setattr(sweep.length_study, "load_workdir_model", lambda workdir: workdir)
-    monkeypatch.setattr(sweep.length_study, "run_study", lambda models, *args, **options: evaluated.append(models) or ([], []))
+    monkeypatch.setattr(sweep.length_study, "run_study",
+                        lambda models, *args, **options: evaluated.append(models) or ([], []))
 
     def score(num_steps: int) -> int:
         sweep.score_run(dict(workdir=workdir, num_steps=num_steps), *sweep.evaluation_inputs(plan), {})
@@ -261,7 +262,8 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     sweep.score_named(plan, runs, [runs[1]["name"]])
     scored, run_study = [], sweep.length_study.run_study
     monkeypatch.setattr(sweep.length_study, "run_study",
-                        lambda models, *args, **options: scored.append(models[0].label) or run_study(models, *args, **options))
+                        lambda models, *args, **options: (scored.append(models[0].label)
+                                                          or run_study(models, *args, **options)))
     report_path = sweep.evaluate_and_report(plan, runs, "run")
     assert "bert-L16" in scored and "deberta-L16" not in scored
     # A run another process is scoring (it holds the workdir's lock) is not scored twice: the report says who has it.
