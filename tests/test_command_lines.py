@@ -25,6 +25,7 @@ from typing import NamedTuple
 import pytest
 
 from deberta_jax.data import errors
+from deberta_jax.train import workdir_lock
 from tests.helpers import REPO
 
 TRAIN = [sys.executable, "train.py"]
@@ -120,6 +121,8 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (SWEEP + ["--sweep", "configs/sweeps/ablation.py:bogus", "--mode", "print"], 1, "unknown sweep arg 'bogus'"),
         (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--mode", "print", "extra"], 1,
          "unexpected arguments ['extra']"),
+        (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--mode", "report", "--seeds=0"], 1,
+         "--seeds applies to --mode train and --mode print only (given with --mode report); --mode score takes --runs"),
         (SWEEP + ["--sweep", "configs/sweeps/natural.py", "--sweep.seeds=[2,3]", "--mode", "print"], 1,
          "--sweep.seeds: a list field cannot be set from the command line (only numbers, strings, booleans and tuples "
          "can); change it in the config file, or in a copy of it"),
@@ -237,7 +240,9 @@ def trained_rows(tmp, run: str) -> list[tuple]:
         (smoke_sweep(f"{tmp}/copy") + ["--mode", "score", f"--runs={Path(run).name}"], 143,
          "python -m deberta_jax.study.sweep: preempted (SIGTERM) while scoring: every run scored before it keeps its "
          "evaluation in its workdir (length_eval.json); rerun the same command to score the rest", "scoring 1/"),
-        (smoke_sweep(f"{tmp}/stopped") + ["--sweep.common_overrides.train.num_steps=100000"], 143,
+        # One seed's runs, trained beside a sweep that holds the root (`tmp/stopped/runs`): stopped the same way.
+        (smoke_sweep(f"{tmp}/stopped") + ["--sweep.common_overrides.train.num_steps=100000", "--mode", "train",
+                                          "--seeds=0"], 143,
          ("python -m deberta_jax.study.sweep: preempted (SIGTERM): passed on to run ", ", which stopped at its "
           "checkpoint of step ", f" in {tmp}/stopped/", "; rerun the same sweep command to resume it"),
          "] step 2: "),
@@ -260,7 +265,8 @@ def test_faults_around_a_trained_run_end_in_one_line(tmp_path):
     for digest in (tmp_path / "no-digest" / "checkpoints").glob("*/sha256.json"):
         digest.unlink()
     (workdir / "length_eval.json").write_text('{"fingerprint": {"sett')
-    results = run_table(trained_rows(tmp_path, str(workdir)))
+    with workdir_lock.hold(tmp_path / "stopped" / "runs", what="a sweep of every seed"):
+        results = run_table(trained_rows(tmp_path, str(workdir)))
     # Loading a checkpoint logs some 70 INFO lines of orbax's in each of these programs unless they quiet them.
     assert not [r.args for r in results if "CheckpointManager created" in r.stderr]
 

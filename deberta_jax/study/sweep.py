@@ -4,6 +4,7 @@
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode print  # the commands, in order
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode report # evaluate + report only
     python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode score --runs=bert-L64-s0
+    python -m deberta_jax.study.sweep --sweep configs/sweeps/ablation.py --mode train --seeds=1  # one seed's runs
 
 A sweep config (`get_config(arg)`) names, per variant, a model-family config and `--config.*` overrides, plus seeds,
 training lengths, overrides common to all runs, and the evaluation settings. Each run is an ordinary `train.py`
@@ -23,7 +24,10 @@ interrupted report resumes and a finished one is rebuilt in seconds; it is keyed
 what the checkpoint and the eval files contain, so moving a workdir or spelling the data path differently keeps it,
 and retraining a run or changing an eval file does not. `--mode score --runs=...` evaluates only the named runs and
 writes no report, so runs can be scored side by side (a process per core or per machine) before one `--mode report`
-gathers them; a run is scored under its workdir's lock, so two processes never score it at once.
+gathers them; a run is scored under its workdir's lock, so two processes never score it at once. `--mode train`
+trains and stops there, and with `--seeds` only those seeds' runs, in the same order: every trunk and its branches
+share a seed, so one process per seed (per core, per machine) trains a sweep side by side without the hand-kept order
+of `--mode print`'s lines.
 """
 
 from __future__ import annotations
@@ -52,11 +56,14 @@ from deberta_jax.study import length_study, report
 from deberta_jax.train import branching, checkpoint, config_checks, preemption, workdir_lock
 
 config_flags.DEFINE_config_file("sweep", None, "Sweep config, e.g. configs/sweeps/ablation.py.", lock_config=False)
-flags.DEFINE_enum("mode", "run", ["run", "print", "report", "score"],
-                  "run: train missing runs here, then evaluate and report; print: write one command per run; "
-                  "report: evaluate finished runs and write the report; score: evaluate only the --runs named.")
+flags.DEFINE_enum("mode", "run", ["run", "train", "print", "report", "score"],
+                  "run: train missing runs here, then evaluate and report; train: train missing runs only; print: "
+                  "write one command per run; report: evaluate finished runs and write the report; score: evaluate "
+                  "only the --runs named.")
 flags.DEFINE_list("runs", [], "With --mode score: the runs to evaluate, by name (the last part of their workdir, "
                   "e.g. deberta-L64-s0), comma-separated.")
+flags.DEFINE_list("seeds", [], "With --mode train or print: only these seeds' runs (all by default), comma-separated; "
+                  "processes given different seeds train side by side.")
 FLAGS = flags.FLAGS
 PROGRAM = "python -m deberta_jax.study.sweep"
 
@@ -95,6 +102,20 @@ def planned_runs(sweep: config_dict.ConfigDict) -> list[dict]:
                 runs.append(dict(name=name, workdir=workdir, command=command, config=variant.config,
                                  overrides=overrides, num_steps=int(overrides["train.num_steps"])))
     return runs
+
+
+def of_seeds(runs: list[dict], seeds: list[str]) -> list[dict]:
+    """The runs of `seeds` (every run when none is given), in the sweep's order. A branch's trunk has its seed
+    (`branching.trunk_key` includes it), so `trainings` of these runs are the sweep's own, less the other seeds'."""
+    if not seeds:
+        return runs
+    known = list(dict.fromkeys(run["overrides"]["seed"] for run in runs))
+    unknown = [seed for seed in seeds if not seed.lstrip("-").isdigit() or int(seed) not in known]
+    if unknown:
+        raise ValueError(f"--seeds: no seed {', '.join(unknown)} in this sweep; its seeds: "
+                         f"{', '.join(map(str, known))}")
+    chosen = {int(seed) for seed in seeds}
+    return [run for run in runs if run["overrides"]["seed"] in chosen]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,11 +554,17 @@ def main(argv):
     runs = planned_runs(sweep)
     if FLAGS.runs and FLAGS.mode != "score":
         raise ValueError(f"--runs applies to --mode score only (given with --mode {FLAGS.mode})")
+    if FLAGS.seeds and FLAGS.mode not in ("train", "print"):
+        raise ValueError(f"--seeds applies to --mode train and --mode print only (given with --mode {FLAGS.mode}); "
+                         "--mode score takes --runs")
     if FLAGS.mode == "print":
-        for training in trainings(runs):
+        for training in trainings(of_seeds(runs, FLAGS.seeds)):
             print(shlex.join(training.command))  # with this interpreter: runs as printed from the repository root
         return
     try:
+        if FLAGS.mode == "train":  # each train.py locks its own workdir, not the root: seeds train side by side
+            train_all(of_seeds(runs, FLAGS.seeds))
+            return
         if FLAGS.mode == "score":  # locks each run's workdir, not the root: scoring processes run side by side
             with stopping_scoring_on_sigterm():
                 score_named(sweep, runs, FLAGS.runs)

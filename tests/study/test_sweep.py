@@ -109,6 +109,24 @@ def test_runs_that_differ_only_in_their_long_phase_branch_off_the_first(corpus, 
     assert all(sweep.next_command(t)[0] is None for t in sweep.trainings(runs))
 
 
+def test_one_seeds_trainings_are_the_sweeps_own_in_its_order():
+    """What `--mode train --seeds=K` (and `--mode print --seeds=K`) runs: the whole sweep's commands for seed K's runs,
+    trunks before their branches, so that one process per seed trains the sweep side by side."""
+    plan = natural.get_config("past-scale")
+    runs = sweep.planned_runs(plan)
+    every = [training.command for training in sweep.trainings(runs)]
+    per_seed = []
+    for seed in plan.seeds:
+        commands = [training.command for training in sweep.trainings(sweep.of_seeds(runs, [str(seed)]))]
+        assert commands == [c for c in every if c[c.index("--workdir") + 1].endswith(f"-s{seed}")]
+        assert any("--branch_from" in command for command in commands)
+        per_seed += commands
+    assert sorted(map(tuple, per_seed)) == sorted(map(tuple, every))
+    assert sweep.of_seeds(runs, []) == runs
+    with pytest.raises(ValueError, match="--seeds: no seed 7, x in this sweep; its seeds: 0, 1$"):
+        sweep.of_seeds(runs, ["0", "7", "x"])
+
+
 @pytest.mark.parametrize("module, smoke, full", [(ablation, "smoke", "cpu"), (natural, "smoke", ""),
                                                  (synthetic, "markov,smoke", "markov")])
 def test_a_smoke_sweep_never_writes_into_committed_results(module, smoke, full):
