@@ -110,7 +110,10 @@ def plot(fixed: pd.DataFrame, path: str) -> None:
     for ax, dataset in zip(axes[0], datasets):
         for model, row in fixed.xs(dataset, level="dataset").iterrows():
             ax.plot(row.index, row.values, marker="o", label=model)
-        ax.set(xscale="log", xlabel="window length (tokens)", ylabel="loss of the same targets (nats)", title=dataset)
+        ax.set(xlabel="window length (tokens)", ylabel="loss of the same targets (nats)", title=dataset)
+        # Base 2 with only the window lengths marked: base 10's minor labels (2 x 10^2, ...) would overprint them.
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
         ax.set_xticks(list(fixed.columns), [str(c) for c in fixed.columns])
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
