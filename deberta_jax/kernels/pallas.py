@@ -2,9 +2,11 @@
 
 FlashAttention-2's structure: the forward pass runs one program per (sequence, head, query tile), which walks its
 key tiles with an online softmax in registers and writes only the output and each row's log-sum-exp. The backward
-pass runs one program per (sequence, head, tile) that first walks the query tiles of its key tile (recomputing
-each pair's probabilities from the log-sum-exp, accumulating dk and dv) and then the key tiles of its query tile
-(accumulating dq), so nothing is accumulated across programs and no atomics are needed. Which tile pairs a
+pass is two kernels, as FlashAttention-2's: the key pass runs one program per key tile, which walks its query tiles
+(recomputing each pair's probabilities from the log-sum-exp, accumulating dk and dv), and the query pass one per
+query tile, which walks its key tiles (accumulating dq), so nothing is accumulated across programs and no atomics
+are needed; each program holds one pass's accumulators only, and the passes run in smaller tiles than the forward
+(`Launches.backward_tile`), where no register spills. Which tile pairs a
 program visits is the tiling plan the TPU kernel walks too (`tiling.KernelShape`): all of them, or with a window
 the band of tiles its windows reach, so a windowed call costs `O(N W)`.
 
@@ -58,6 +60,40 @@ TILE = 64
 
 
 @dataclasses.dataclass(frozen=True)
+class Launch:
+    """How Triton runs one kernel's programs: warps per program (threads = 32 x warps; more warps, fewer registers
+    per thread for the same tile) and the software-pipelining stages of its loop over tiles (each stage keeps one
+    more tile's loads in flight, in registers and shared memory)."""
+
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """The launch of each of the three kernels. The defaults are the settings at which NVIDIA's assembler (ptxas)
+    spills no register of any kernel at DeBERTa-base's production shape, for Hopper and Ampere
+    (`benchmarks/gpu_kernel_floor.py`)."""
+
+    forward: Launch = Launch(4, 2)
+    key_pass: Launch = Launch(4, 2)
+    query_pass: Launch = Launch(4, 2)
+    # The backward passes' tile, a power of two dividing the forward's (the call's `tile`; capped to it). A key
+    # tile's program holds two accumulators, its score gradient and the gathers' addresses: at 64 x 64 they pass
+    # the 255 registers a thread may have and spill; at 32 x 32 they fit (jax's own Pallas attention also
+    # runs its backward in 32 x 32 blocks, its forward in larger ones).
+    backward_tile: int = 32
+
+    def __post_init__(self):
+        if self.backward_tile < 8 or self.backward_tile & (self.backward_tile - 1):
+            raise ValueError(f"Launches.backward_tile={self.backward_tile}: a power of two of at least 8 (16 for "
+                             "Triton)")
+
+    def of(self, kernel) -> Launch:
+        return getattr(self, kernel.__name__.strip("_").removesuffix("_kernel"))
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """What the kernels of one call need besides the tiling plan (static)."""
 
@@ -69,6 +105,7 @@ class Layout:
     # per token and end (distances <= d_lo, >= d_hi).
     band_lo: int
     band_width: int
+    launches: Launches = Launches()
 
     @property
     def ends(self) -> tuple[int, int] | None:
@@ -76,7 +113,7 @@ class Layout:
 
     @property
     def query_grads(self) -> bool:
-        """Whether the backward kernel writes a per-distance gradient per query (c2p's, a trainable bias's)."""
+        """Whether the query pass writes a per-distance gradient per query (c2p's, a trainable bias's)."""
         return self.shape.c2p or self.bias_grad
 
     @property
@@ -252,54 +289,62 @@ def _zero_rows(grad_ref, interpreted: bool):
         plgpu.debug_barrier()
 
 
-def _backward_kernel(*refs, lay: Layout, interpreted: bool):
-    """Program (sequence, head, tile): dk, dv (and p2c's per-distance gradient) of key tile `tile` over its query
-    tiles, then dq (and c2p's per-distance gradient, the temperature's) of query tile `tile` over its key tiles."""
-    refs = list(refs)
+def _backward_inputs(refs: list, lay: Layout):
+    """A backward program's inputs: the forward's, then the output's cotangent, the log-sum-exp and `delta`."""
     ins = _input_refs(refs, lay)
-    do_ref, lse_ref, delta_ref = take(refs, True, True, True)
+    return ins, *take(refs, True, True, True)
+
+
+def _key_pass_kernel(*refs, lay: Layout, interpreted: bool):
+    """Program (sequence, head, key tile): dk, dv (and p2c's per-distance gradient, its sums past the ends) of the
+    key tile over the query tiles whose windows reach it."""
+    refs = list(refs)
+    ins, do_ref, lse_ref, delta_ref = _backward_inputs(refs, lay)
     s, t = lay.shape, lay.shape.tile
-    on = (True, True, True, s.p2c, s.p2c and lay.ends is not None, s.p2c and lay.ends is not None,
-          lay.query_grads, lay.query_grads and lay.ends is not None, lay.query_grads and lay.ends is not None,
-          s.temperature)
-    (dk_ref, dv_ref, dq_ref, key_grad_ref, key_lo_ref, key_hi_ref, query_grad_ref, query_lo_ref, query_hi_ref,
-     dt_ref) = take(refs, *on)
+    ends = s.p2c and lay.ends is not None
+    dk_ref, dv_ref, grad_ref, lo_ref, hi_ref = take(refs, True, True, s.p2c, ends, ends)
     tile = pl.program_id(2)
-    for grad_ref in (key_grad_ref, query_grad_ref):
-        if grad_ref is not None:
-            _zero_rows(grad_ref, interpreted)
-    local = jnp.arange(t)
-    zeros = jnp.zeros((t,), jnp.float32)
-    block = jnp.zeros((t, lay.head_dim), jnp.float32)
-
-    def query_side(query_tile):
-        rows = _tokens(query_tile, t)
-        return ins.q[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
-
-    # Key tile `tile`: its keys stay, the query tiles whose windows reach it go by.
+    if grad_ref is not None:
+        _zero_rows(grad_ref, interpreted)
+    local = jnp.arange(t)[None, :]
     k, v = ins.k[_tokens(tile, t), :], ins.v[_tokens(tile, t), :]
 
     def visit_queries(step, carry):
         dk, dv, lo, hi = carry
         query_tile = s.query_tile(tile, step)
-        q, do, lse, delta = query_side(query_tile)
-        p, g, _, distance = _score_grad(lay, ins, query_tile, tile, q, k, v, do, lse, delta)
+        rows = _tokens(query_tile, t)
+        q, do = ins.q[rows, :], do_ref[rows, :]
+        p, g, _, distance = _score_grad(lay, ins, query_tile, tile, q, k, v, do, lse_ref[rows], delta_ref[rows])
         dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
         dk += plgpu.dot((g / s.divisor).astype(q.dtype), q, trans_a=True)
         if s.p2c:
-            sums = _by_distance(lay, key_grad_ref, g, distance, local[None, :], s.near(query_tile, tile))
+            sums = _by_distance(lay, grad_ref, g, distance, local, s.near(query_tile, tile))
             if sums is not None:
                 lo, hi = lo + sums[0], hi + sums[1]
         return dk, dv, lo, hi
 
+    zeros, block = jnp.zeros((t,), jnp.float32), jnp.zeros((t, lay.head_dim), jnp.float32)
     dk, dv, lo, hi = jax.lax.fori_loop(0, s.query_band, visit_queries, (block, block, zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-    if key_lo_ref is not None:
-        key_lo_ref[...], key_hi_ref[...] = lo, hi
+    if lo_ref is not None:
+        lo_ref[...], hi_ref[...] = lo, hi
 
-    # Query tile `tile`: its queries stay, the key tiles of its band go by.
-    q, do, lse, delta = query_side(tile)
+
+def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
+    """Program (sequence, head, query tile): dq (and c2p's or a bias's per-distance gradient, its sums past the
+    ends, the temperature's gradient) of the query tile over the key tiles of its band."""
+    refs = list(refs)
+    ins, do_ref, lse_ref, delta_ref = _backward_inputs(refs, lay)
+    s, t = lay.shape, lay.shape.tile
+    ends = lay.query_grads and lay.ends is not None
+    dq_ref, grad_ref, lo_ref, hi_ref, dt_ref = take(refs, True, lay.query_grads, ends, ends, s.temperature)
+    tile = pl.program_id(2)
+    if grad_ref is not None:
+        _zero_rows(grad_ref, interpreted)
+    local = jnp.arange(t)[:, None]
+    rows = _tokens(tile, t)
+    q, do, lse, delta = ins.q[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
 
     def visit_keys(step, carry):
         dq, dt, lo, hi = carry
@@ -311,17 +356,19 @@ def _backward_kernel(*refs, lay: Layout, interpreted: bool):
         if dt_pair is not None:
             dt += dt_pair
         if lay.query_grads:
-            sums = _by_distance(lay, query_grad_ref, g, distance, local[:, None], s.near(tile, key_tile))
+            sums = _by_distance(lay, grad_ref, g, distance, local, s.near(tile, key_tile))
             if sums is not None:
                 lo, hi = lo + sums[0], hi + sums[1]
         return dq, dt, lo, hi
 
-    dq, dt, lo, hi = jax.lax.fori_loop(0, s.key_band, visit_keys, (block, zeros, zeros, zeros))
+    zeros = jnp.zeros((t,), jnp.float32)
+    dq, dt, lo, hi = jax.lax.fori_loop(0, s.key_band, visit_keys,
+                                       (jnp.zeros((t, lay.head_dim), jnp.float32), zeros, zeros, zeros))
     dq_ref[...] = dq.astype(dq_ref.dtype)
     if dt_ref is not None:
         dt_ref[...] = dt
-    if query_lo_ref is not None:
-        query_lo_ref[...], query_hi_ref[...] = lo, hi
+    if lo_ref is not None:
+        lo_ref[...], hi_ref[...] = lo, hi
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
@@ -345,12 +392,13 @@ def _call(kernel, lay: Layout, inputs, out_shapes, out_specs):
 
     arrays = [x for x, _ in inputs]
     in_specs = [spec(x, block) for x, block in inputs]
+    launch = lay.launches.of(kernel)
 
     def run(interpret, *args):
         return pl.pallas_call(
             functools.partial(kernel, lay=lay, interpreted=interpret), grid=grid, in_specs=in_specs,
             out_specs=out_specs, out_shape=out_shapes, interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+            compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
             name=kernel.__name__.strip("_"))(*args)
 
     # Triton when the program is lowered for a GPU (also from a machine without one), the interpreter elsewhere.
@@ -415,6 +463,9 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     d_out, d_lse = cotangents
     if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):  # no global keys read the log-sum-exp
         d_lse = 0.0
+    # The backward passes walk the same padded arrays in their own tile.
+    lay = dataclasses.replace(lay, shape=dataclasses.replace(
+        lay.shape, tile=min(lay.launches.backward_tile, lay.shape.tile), pad_unit=lay.shape.pad_unit or lay.shape.tile))
     s, t = lay.shape, lay.shape.tile
     b, h, n_pad, d = q.shape
     # The c2p / p2c products recomputed below depend on saved values only: without this barrier XLA may compute
@@ -430,19 +481,23 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     # their products with the tokens over (sequence, token) are batched matmuls without a transposed copy.
     grads = jax.ShapeDtypeStruct((h, b, n_pad, columns), q.dtype)
     per_distance = pl.BlockSpec((None, None, t, columns), lambda b_, h_, i: (h_, b_, i, 0))
-    ends = lay.ends is not None
-    # (on, shape, spec) in `_backward_kernel`'s output order.
-    items = [(True, jax.ShapeDtypeStruct(k.shape, k.dtype), _per_tile(t, d)),
-             (True, jax.ShapeDtypeStruct(v.shape, v.dtype), _per_tile(t, d)),
-             (True, jax.ShapeDtypeStruct(q.shape, q.dtype), _per_tile(t, d)),
-             (s.p2c, grads, per_distance), (s.p2c and ends, per_token, _per_tile(t)),
-             (s.p2c and ends, per_token, _per_tile(t)), (lay.query_grads, grads, per_distance),
-             (lay.query_grads and ends, per_token, _per_tile(t)), (lay.query_grads and ends, per_token, _per_tile(t)),
-             (s.temperature, per_token, _per_tile(t))]
-    on = [item for item in items if item[0]]
-    outputs = _call(_backward_kernel, lay, inputs, [shape for _, shape, _ in on], [spec for *_, spec in on])
-    dk, dv, dq, key_grad, key_lo, key_hi, query_grad, query_lo, query_hi, dt = take(
-        list(outputs), *[item[0] for item in items])
+    key_ends = s.p2c and lay.ends is not None
+    query_ends = lay.query_grads and lay.ends is not None
+
+    def run(kernel, items):  # items: (on, shape, spec) in the kernel's output order; None for each that is off
+        on = [item for item in items if item[0]]
+        outputs = _call(kernel, lay, inputs, [shape for _, shape, _ in on], [spec for *_, spec in on])
+        return take(list(outputs), *[item[0] for item in items])
+
+    # Two passes, as FlashAttention-2's backward: a program of each holds one pass's accumulators only.
+    dk, dv, key_grad, key_lo, key_hi = run(_key_pass_kernel, [
+        (True, jax.ShapeDtypeStruct(k.shape, k.dtype), _per_tile(t, d)),
+        (True, jax.ShapeDtypeStruct(v.shape, v.dtype), _per_tile(t, d)),
+        (s.p2c, grads, per_distance), (key_ends, per_token, _per_tile(t)), (key_ends, per_token, _per_tile(t))])
+    dq, query_grad, query_lo, query_hi, dt = run(_query_pass_kernel, [
+        (True, jax.ShapeDtypeStruct(q.shape, q.dtype), _per_tile(t, d)), (lay.query_grads, grads, per_distance),
+        (query_ends, per_token, _per_tile(t)), (query_ends, per_token, _per_tile(t)),
+        (s.temperature, per_token, _per_tile(t))])
 
     _, _, temperature, pos_key, pos_query, bias = options
     d_pos_key = d_pos_query = d_bias = None
@@ -523,17 +578,19 @@ def _layout(terms: ScoreTerms, shape: KernelShape, head_dim: int) -> Layout:
 
 
 def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dropout_rate: float = 0.0,
-                     dropout_key: jax.Array | None = None, tile: int = TILE) -> jax.Array:
+                     dropout_key: jax.Array | None = None, tile: int = TILE,
+                     launches: Launches = Launches()) -> jax.Array:
     """Self-attention of any variant, DeBERTa's included, fused for GPUs: the dense kernel's result to float
     rounding, attention dropout included (the same mask).
 
     `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
-    (`relative`), as the TPU kernel takes them. `tile` is for tests (at least 16, a power of two)."""
+    (`relative`), as the TPU kernel takes them. `tile` (at least 16, a power of two) and `launches` are Triton's
+    knobs: tests take small tiles, `benchmarks/gpu_check.py` times other settings."""
     shape = kernel_shape(terms, "pallas", tile, dropout_rate, dropout_key)
     batch, heads, length, d = terms.q.shape
     q, k = terms.q, terms.k
     head_dim = max(16, pl.next_power_of_2(d))  # zero features change no product
-    lay = _layout(terms, shape, head_dim)
+    lay = dataclasses.replace(_layout(terms, shape, head_dim), launches=launches)
     n_pad = shape.padded
 
     def padded(x):

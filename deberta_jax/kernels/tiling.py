@@ -39,6 +39,9 @@ class KernelShape:
     # (d_hi, d_lo): the relative index is its last row at distances >= d_hi and its first at <= d_lo
     # (`scores.saturation`); None without position terms or when no distance is that far.
     ends: tuple[int, int] | None = None
+    # The inputs are padded to a multiple of this (a multiple of `tile`; 0: `tile`): the kernels of one call may
+    # walk the same padded arrays in different tiles (the GPU kernel's backward passes in smaller ones).
+    pad_unit: int = 0
 
     @property
     def dropout(self) -> bool:
@@ -89,18 +92,19 @@ class KernelShape:
 
     @property
     def num_tiles(self) -> int:
-        return -(-self.length // self.tile)
+        return self.padded // self.tile
 
     @property
     def padded(self) -> int:
-        return self.num_tiles * self.tile
+        unit = self.pad_unit or self.tile
+        return -(-self.length // unit) * unit
 
     def _reach(self) -> tuple[np.ndarray, np.ndarray]:
         """Per tile, how many key tiles its queries' windows reach and how many query tiles reach its keys."""
         t = self.tile
         starts = window_starts(self.length, self.length, self.window)
         ends = starts + self.window - 1  # both nondecreasing in the query
-        first = np.arange(self.num_tiles) * t
+        first = np.minimum(np.arange(self.num_tiles) * t, self.length - 1)  # a tile of padding only: the last real
         last = np.minimum(first + t, self.length) - 1
         keys = ends[last] // t - starts[first] // t + 1
         queries = (np.searchsorted(starts, last, side="right") - 1) // t - np.searchsorted(ends, first) // t + 1

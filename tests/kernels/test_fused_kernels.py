@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from deberta_jax.kernels.dense import dense_attention
-from deberta_jax.kernels.pallas import pallas_attention
+from deberta_jax.kernels.pallas import Launches, pallas_attention
 from deberta_jax.kernels.pallas_tpu import expand_tables, pallas_tpu_attention
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances, in_window, saturation, window_starts
 from deberta_jax.kernels.tiling import KernelShape
@@ -272,14 +272,10 @@ def test_windowed_tile_pairs_grow_as_length_times_window():
     assert KernelShape(16384, 128, 1.0, True, True).key_band == 128
 
 
-@pytest.mark.parametrize("window,tile", [(5, 8), (12, 16)])
-def test_window_global_keys_with_every_option_equal_the_dense_kernel(kernel, window, tile):
-    """A window's global keys (each row's first and last real tokens, seen by every query; `window_global_tokens`)
-    beside DeBERTa's two position terms, T5's bias, a temperature per head and dropout 0.2, 37 positions with
-    padding (the last row's closing key at 28, away from the sequence's end, so the band of queries whose distance
-    to it reads its own table row is not clipped), and a row with one real token (its one global key counted once):
-    outputs at real queries and every gradient equal the dense kernel's (observed up to 6e-6). Windows of 5 and 12
-    leave the global keys outside most queries' windows and inside the nearest ones' (counted once there)."""
+def check_every_option(attend, window):
+    """`attend` (a fused kernel) with a window's global keys, DeBERTa's two position terms, T5's bias, a
+    temperature per head and dropout 0.2 over 37 positions with padding, against the dense kernel: outputs at real
+    queries and every gradient (observed up to 6e-6); and the global keys matter to the outputs."""
     terms, v, key_mask = table_inputs(("c2p", "p2c"), R // 2, b=4)
     key_mask = key_mask.at[2, 1:].set(0)
     temperature = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, (4, H, 37, 1)), jnp.float32)
@@ -296,14 +292,33 @@ def test_window_global_keys_with_every_option_equal_the_dense_kernel(kernel, win
             out = kernel(biased, v, key_mask, dropout_rate=0.2, dropout_key=jax.random.key(1))
             return jnp.sum(out * cotangent), jnp.where(real, out, 0.0)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(table, terms, v)
-    got = outputs_and_grads(functools.partial(kernel, tile=tile))
-    want = outputs_and_grads(dense_attention)
-    without = outputs_and_grads(functools.partial(kernel, tile=tile), global_keys=None)
-    (loss, out), grads = got
-    (want_loss, want_out), want_grads = want
+    (loss, out), grads = outputs_and_grads(attend)
+    (want_loss, want_out), want_grads = outputs_and_grads(dense_attention)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)  # a sum of 2,368 outputs: observed ~1.4e-6
     assert max_error((out, grads), (want_out, want_grads)) < 1e-5
-    assert max_error(without[0][1], want_out) > 1e-2  # the global keys matter to these outputs
+    if window:
+        without = outputs_and_grads(attend, global_keys=None)
+        assert max_error(without[0][1], want_out) > 1e-2  # the global keys matter to these outputs
+
+
+@pytest.mark.parametrize("window,tile", [(5, 8), (12, 16)])
+def test_window_global_keys_with_every_option_equal_the_dense_kernel(kernel, window, tile):
+    """A window's global keys (each row's first and last real tokens, seen by every query; `window_global_tokens`)
+    with every other option (`check_every_option`); the last row's closing key at 28, away from the sequence's end,
+    so the band of queries whose distance to it reads its own table row is not clipped, and a row with one real
+    token (its one global key counted once). Windows of 5 and 12 leave the global keys outside most queries'
+    windows and inside the nearest ones' (counted once there)."""
+    check_every_option(functools.partial(kernel, tile=tile), window)
+
+
+@pytest.mark.parametrize("window", [0, 12])
+def test_gpu_backward_in_smaller_tiles_than_its_forward(window):
+    """The GPU kernel's backward passes walk the forward's padded arrays in their own, smaller tiles (as on a GPU:
+    64 forward, 32 backward): 37 positions padded to 48 by tiles of 16, walked backward in tiles of 8, the last of
+    which holds padding only; with every option, windowed and not."""
+    launches = Launches(backward_tile=8)
+    assert KernelShape(37, 8, 1.0, True, True, window=12, pad_unit=16).num_tiles == 6
+    check_every_option(functools.partial(pallas_attention, tile=16, launches=launches), window)
 
 
 def test_alibi_bias_equals_the_dense_kernel(kernel):
