@@ -44,17 +44,21 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import bert, deberta  # noqa: E402
+from deberta_jax.aot import chips  # noqa: E402
 from deberta_jax.model.config import ModelConfig  # noqa: E402
 from deberta_jax.model.flops import model_flops  # noqa: E402
 from deberta_jax.train import optim, steps  # noqa: E402
 
 FAMILIES = {"bert": bert, "deberta": deberta}
+# DeBERTa-v3's released relative table (position_buckets, max_relative_positions), the same at any length; the
+# configs' own grows with the training length.
+PUBLISHED_TABLE = (256, 512)
 MASK_PROB = 0.15
 
 
 def model_config(family: str, size: str, seq: int, trained_length: int | None, kernel: str, block_size: int,
                  dropout: float | None = None, relative_terms: str = "auto",
-                 dtype: str | None = None) -> tuple[ModelConfig, object]:
+                 dtype: str | None = None, relative_table: str = "grown") -> tuple[ModelConfig, object]:
     """The `configs/<family>.py:<size>` model trained at `trained_length` (default `seq`) and its train config.
 
     DeBERTa's relative table follows the training length (configs/deberta.py); BERT's absolute table
@@ -70,6 +74,8 @@ def model_config(family: str, size: str, seq: int, trained_length: int | None, k
         model.update(attention_dropout=0.0)
     if dtype is not None:
         model.update(dtype=dtype)
+    if family == "deberta" and relative_table == "published":
+        model.update(position_buckets=PUBLISHED_TABLE[0], max_relative_positions=PUBLISHED_TABLE[1])
     model.update(max_position_embeddings=max(model["max_position_embeddings"], config.data.seq_len),
                  trained_length=config.data.seq_len, absolute_position_policy="clip")
     return ModelConfig.from_dict(model), config.train
@@ -208,6 +214,9 @@ def main(argv=None) -> None:
                              "0 shows what the masks cost")
     parser.add_argument("--dtype", default=None, help="the models' dtype (default: the config's), e.g. bfloat16 on "
                         "GPUs; the matmul peak MFU divides by is measured in it")
+    parser.add_argument("--relative-table", choices=("grown", "published"), default="grown",
+                        help="DeBERTa's relative table: the configs' (grows with the training length) or "
+                             "DeBERTa-v3's published one (256 buckets up to 512)")
     parser.add_argument("--compile-only", action="store_true", help="report memory without running the step")
     parser.add_argument("--compare-transformers", action="store_true")
     args = parser.parse_args(argv)
@@ -219,7 +228,7 @@ def main(argv=None) -> None:
             for kernel, relative_terms in ((name, terms) for name in args.kernel.split(",") for terms in (
                     args.relative_terms.split(",") if family == "deberta" and name == "dense" else ["auto"])):
                 cfg, train_config = model_config(family, args.size, seq, args.trained_length, kernel, args.block_size,
-                                                 args.dropout, relative_terms, args.dtype)
+                                                 args.dropout, relative_terms, args.dtype, args.relative_table)
                 passes = 3 if args.mode == "train" else 1
                 row = dict(model=family, size=args.size, mode=args.mode, kernel=kernel, seq=seq, batch=args.batch,
                            relative_terms=cfg.relative_terms_for(jax.default_backend()),
@@ -254,12 +263,16 @@ def main(argv=None) -> None:
         row[prefix + "step_s"] = round(min(elapsed), 4)
         row[prefix + "median_step_s"] = round(statistics.median(elapsed), 4)
         row[prefix + "tokens_per_s"] = round(tokens / min(elapsed), 1)
+    chip = chips.gpu_of_device(jax.devices()[0])
     for row in rows:
         row.update(matmul_peak_flops=round(best_peak),
                    # 4 significant digits: a micro model's MFU on a busy CPU is well below 1e-3
                    **{"mfu" + suffix: float(
                        f'{row["tokens_per_s"] * row["model_flops_per_token" + suffix] / best_peak:.4g}')
                       for suffix in ("", "_head_everywhere")})
+        if chip is not None:  # MFU against the datasheet's dense bfloat16 peak, as published MFU figures count it
+            mfu = row["tokens_per_s"] * row["model_flops_per_token"] / chip.peak_flops
+            row.update(datasheet_peak_flops=chip.peak_flops, mfu_datasheet=float(f"{mfu:.4g}"))
         if args.compare_transformers:
             row["speedup_vs_torch"] = round(row["tokens_per_s"] / row["torch_tokens_per_s"], 3)
         print(json.dumps(row), flush=True)

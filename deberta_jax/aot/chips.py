@@ -73,6 +73,17 @@ GPUS = {
     "a100": Chip("a100", 312e12, 81920 * 1024**2, 2039e9, 600e9, source="nvidia.com/en-us/data-center/a100",
                  platform="gpu", target_config="a100.txtpb"),
 }
+
+
+def gpu_of_device(device) -> Chip | None:
+    """The datasheet entry of a running GPU (`jax.Device`, by its device kind: "NVIDIA H100 80GB HBM3" is the
+    H100), None for another device or an unlisted GPU."""
+    if device.platform != "gpu":
+        return None
+    kind = device.device_kind.lower()
+    return next((chip for name, chip in GPUS.items() if name in kind), None)
+
+
 # GPUs of one node joined by NVLink (an HGX/DGX board holds 8); nodes joined over the network are not modelled.
 MAX_GPUS_PER_NODE = 8
 # The fraction of a GPU's memory JAX's GPU client takes by default (XLA_PYTHON_CLIENT_MEM_FRACTION): a program
