@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,10 @@ from jax.experimental.pallas import triton as plgpu
 from deberta_jax.kernels import dropout_masks
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, combine_scores, mask_keys, saturation
 from deberta_jax.kernels.tiling import KernelShape, batch_shards, kernel_shape, merge_global_keys, take
+
+# From jax 0.11 every lowering of a Triton Pallas call warns that the backend is deprecated (docs/tpu.md says what
+# replaces it); once per layer and program is noise in a log that says it elsewhere.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 # Queries and keys per tile. Triton wants powers of two of at least 16; 64 x 64 float32 scores, their gathers and
 # the accumulators fit a thread block's registers at head sizes up to 128.
