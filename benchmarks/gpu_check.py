@@ -3,11 +3,11 @@
   preflight  the jax and device it runs on, the kernel module imported on that jax, and the Triton calls of a
              small fused forward and backward compiled there (three on a GPU: forward, key pass, query pass; none
              means Pallas fell back to its interpreter, which it does silently on a non-CUDA platform);
-  parity     the fused GPU kernel against the dense kernel on the same device at the production tiles (64 forward,
-             32 backward) and head size 64: 2,048 tokens and a ragged 1,000, key padding, DeBERTa-v3's table (its
-             far pairs from 506 on), attention dropout 0.1; float32 at the highest matmul precision and bfloat16;
-             the output and every gradient by relative error, and the dropped entries counted against the dense
-             kernel's mask;
+  parity     the fused GPU kernel against the dense kernel on the same device at the production tiles and head
+             size 64: DeBERTa-v3's table (its far pairs from 506 on) with the terms gathered from products, at 2,048
+             tokens and a ragged 1,000, and the table grown to 2,048 with tile-local terms; key padding, attention
+             dropout 0.1; float32 at the highest matmul precision and bfloat16; the output and every gradient by
+             relative error, and the dropped entries counted against the dense kernel's mask;
   profile    one DeBERTa-base layer's forward and backward (2 x 8,192, bfloat16) under jax's profiler: device
              time in the fused kernels against the rest (XLA's position products, the tables' gradients).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -36,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from deberta_jax.kernels import dropout_masks  # noqa: E402
 from deberta_jax.kernels.dense import dense_attention  # noqa: E402
-from deberta_jax.kernels.pallas import pallas_attention  # noqa: E402
+from deberta_jax.kernels.pallas import Launches, pallas_attention  # noqa: E402
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms  # noqa: E402
 from deberta_jax.model import positions  # noqa: E402
 
@@ -56,16 +57,19 @@ def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
-def layer_inputs(n: int, rows: int, heads: int, dtype, seed: int = 0):
-    """(terms, v, key mask) with DeBERTa-v3's table and key padding on the last row (an eighth, or 37 tokens)."""
+def layer_inputs(n: int, rows: int, heads: int, dtype, seed: int = 0, table: str = "published"):
+    """(terms, v, key mask) with a relative table (`gpu_attention.TABLES`) and key padding on the last row (an
+    eighth, or 37 tokens)."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
-    rel = RelativeIndex(positions.relative_index_by_distance(n, n, position_buckets=256, max_relative_positions=512))
-    d = gpu_attention.HEAD_DIM
+    buckets, max_relative = gpu_attention.table(table, n)
+    rel = RelativeIndex(positions.relative_index_by_distance(n, n, position_buckets=buckets,
+                                                             max_relative_positions=max_relative))
+    d, table_rows = gpu_attention.HEAD_DIM, 2 * buckets
     terms = ScoreTerms(q=normal(rows, heads, n, d), k=normal(rows, heads, n, d), key_len=n, relative=rel,
-                       pos_key=normal(heads, 512, d), pos_query=normal(heads, 512, d))
+                       pos_key=normal(heads, table_rows, d), pos_query=normal(heads, table_rows, d))
     mask = np.ones((rows, n), np.int32)
     mask[-1, n - max(n // 8, 37):] = 0
     return terms, normal(rows, heads, n, d), jnp.asarray(mask)
@@ -123,42 +127,53 @@ def preflight(rehearse: bool) -> bool:
     return ok
 
 
+# The kernel's two ways with DeBERTa's terms, forced: products gathered in the tile (DeBERTa-v3's table), and
+# tile-local products (the default for a table grown with the length).
+MODES = {"products": Launches(max_product_width=1 << 30), "tile-local": Launches(max_product_width=0)}
+
+
 def parity(rehearse: bool) -> bool:
-    return parity_at(*(((256, 200), 2, 2) if rehearse else ((2048, 1000), 4, 2)))
+    if rehearse:
+        return parity_at([(256, "published", "products"), (200, "published", "products"),
+                          (256, "grown", "tile-local")], 2, 2)
+    return parity_at([(2048, "published", "products"), (1000, "published", "products"),
+                      (2048, "grown", "tile-local")], 4, 2)
 
 
-def parity_at(lengths, heads: int, rows: int) -> bool:
-    """The parity step at these lengths (the suite runs it at the production shape on the CPU, interpreted)."""
+def parity_at(cases, heads: int, rows: int) -> bool:
+    """The parity step for each (length, table, mode) (the suite runs it at the production shape on the CPU,
+    interpreted)."""
     ok = True
-    for n in lengths:
+    for n, table, mode in cases:
+        fused = functools.partial(pallas_attention, launches=MODES[mode])
         cotangent = jnp.asarray(np.random.default_rng(n).normal(size=(rows, heads, n, gpu_attention.HEAD_DIM)),
                                 jnp.float32)
         with jax.default_matmul_precision("highest"):
-            terms, v, mask = layer_inputs(n, rows, heads, jnp.float32)
+            terms, v, mask = layer_inputs(n, rows, heads, jnp.float32, table=table)
             reference = values_and_grads(dense_attention, terms, v, mask, cotangent)
-            fused32 = values_and_grads(pallas_attention, terms, v, mask, cotangent)
+            fused32 = values_and_grads(fused, terms, v, mask, cotangent)
         errors = {leaf: relative_error(fused32[leaf], reference[leaf]) for leaf in reference}
         passed = all(e < FLOAT32_TOLERANCE for e in errors.values())
-        emit(step="parity", dtype="float32", tokens=n, relative_error=errors, tolerance=FLOAT32_TOLERANCE,
-             passed=passed)
+        emit(step="parity", dtype="float32", tokens=n, table=table, mode=mode, relative_error=errors,
+             tolerance=FLOAT32_TOLERANCE, passed=passed)
         ok &= passed
-        terms16, v16, _ = layer_inputs(n, rows, heads, jnp.bfloat16)
-        fused16 = values_and_grads(pallas_attention, terms16, v16, mask, cotangent)
+        terms16, v16, _ = layer_inputs(n, rows, heads, jnp.bfloat16, table=table)
+        fused16 = values_and_grads(fused, terms16, v16, mask, cotangent)
         dense16 = values_and_grads(dense_attention, terms16, v16, mask, cotangent)
         errors = {leaf: relative_error(fused16[leaf], reference[leaf]) for leaf in reference}
         bounds = {leaf: 2 * relative_error(dense16[leaf], reference[leaf]) + BFLOAT16_SLACK for leaf in reference}
         passed = all(errors[leaf] <= bounds[leaf] for leaf in errors)
-        emit(step="parity", dtype="bfloat16", tokens=n, relative_error=errors, bound=bounds, passed=passed)
+        emit(step="parity", dtype="bfloat16", tokens=n, table=table, mode=mode, relative_error=errors, bound=bounds,
+             passed=passed)
         ok &= passed
         rate = 0.1
-        fused_kept, dense_kept = (kept_count(kernel, n, heads, rate) for kernel in (pallas_attention,
-                                                                                    dense_attention))
+        fused_kept, dense_kept = (kept_count(kernel, n, heads, rate) for kernel in (fused, dense_attention))
         positions_ = np.arange(n)
         hashes = dropout_masks.attention_hashes(jax.random.key(11), 1, heads, positions_, positions_)
         mask_kept = int(np.asarray(dropout_masks.attention_keep(hashes[0], hashes[1], rate)).sum())
         passed = fused_kept == dense_kept == mask_kept
         entries = heads * n * n
-        emit(step="parity", check="dropped entries", tokens=n, entries=entries, dropped=entries - fused_kept,
+        emit(step="parity", check="dropped entries", tokens=n, mode=mode, entries=entries, dropped=entries - fused_kept,
              dense_dropped=entries - dense_kept, mask_dropped=entries - mask_kept, passed=passed)
         ok &= passed
     emit(step="parity", ok=bool(ok))

@@ -87,17 +87,19 @@ def assemble(ptx_text: str, names: set[str] | None = None) -> list[KernelResourc
     return out
 
 
-def compile_with_resources(lowered, names: set[str]):
+def compile_with_resources(lowered, names: set[str], optional: frozenset[str] = frozenset()):
     """Compile a lowered program (for a GPU target) and assemble its PTX: (the compiled program, the resources of
-    every entry function named in `names`, in the dump's order). XLA writes a PTX file per module it compiles;
-    only those that hold a wanted entry are assembled."""
+    every entry function named in `names` or `optional`, in the dump's order; a name in `names` must be there).
+    XLA writes a PTX file per module it compiles; only those that hold a wanted entry are assembled."""
+    names = set(names)
+    wanted = names | optional
     with tempfile.TemporaryDirectory(prefix="ptx-") as dump:
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
         resources = []
         for path in sorted(Path(dump).glob("*.ptx")):
             text = path.read_text()
-            if names & set(_ENTRY.findall(text)):
-                resources.extend(assemble(text, names))
+            if wanted & set(_ENTRY.findall(text)):
+                resources.extend(assemble(text, wanted))
     missing = names - {r.name for r in resources}
     if missing:
         raise RuntimeError(f"no PTX entry function named {sorted(missing)} in the compiled program (XLA dumped "

@@ -10,19 +10,22 @@ are needed; each program holds one pass's accumulators only, and the passes run 
 program visits is the tiling plan the TPU kernel walks too (`tiling.KernelShape`): all of them, or with a window
 the band of tiles its windows reach, so a windowed call costs `O(N W)`.
 
-DeBERTa's position terms are read inside the tile. The projected tables (`[H, R, d]`) are multiplied by the
-queries (c2p) and keys (p2c) once per call outside the kernels, `[B, H, N, R]` (linear in length; recomputed in
-the backward pass rather than saved), and a tile gathers `c2p[i, idx(i - j)]` and `p2c[j, idx(i - j)]` with the
-row per distance gathered from the relative index: a GPU loads scattered elements from its caches where a TPU
-wants matrix-unit work (`kernels.pallas_tpu`'s skewed products). ALiBi and T5 read their per-distance bias the
-same way.
+DeBERTa's position terms are read inside the tile, one of two ways. With a table of bounded size (DeBERTa-v3's
+published one) the projected tables (`[H, R, d]`) are multiplied by the queries (c2p) and keys (p2c) once per call
+outside the kernels, `[B, H, N, R]` (linear in length; recomputed in the backward pass rather than saved), and a
+tile gathers `c2p[i, idx(i - j)]` and `p2c[j, idx(i - j)]` with the row per distance gathered from the relative
+index: a GPU loads scattered elements from its caches. With a table that grows with the length those products are
+quadratic, and each tile pair forms its own instead (`Layout.local`; `kernels.pallas_tpu` forms its skewed products
+likewise). ALiBi and T5 read their per-distance bias the way of the first.
 
 The gradient of a gathered term is a sum, per token and table row, of the score gradients whose distance reads
 that row. Past some distance each way the relative index is constant (`scores.saturation`), so the backward
 kernel writes each token's score gradient per distance only for the distances nearer than that (every
 `(token, distance)` once: plain stores, no atomics), and sums the far ones per token and end: the far pairs' end
 terms. XLA then multiplies them by the table rows of the band's distances (the side's gradient) and by the tokens,
-adding the distances that read the same row (the table's). A T5 bias's gradient is the same per-distance
+adding the distances that read the same row (the table's). Tile-local terms send their score gradients back through
+the program's scratch into dq and dk, and a third backward kernel sums the tables' gradients per diagonal of tile
+pairs. A T5 bias's gradient is the same per-distance
 gradient summed over the queries (`ScoreTerms.bias_index` says where its buckets saturate); ALiBi's bias is a
 constant and gets none. The per-distance buffers are `[H, B, N, W]` in the inputs' dtype for the W distances
 before saturation (DeBERTa-base's 256 buckets saturate at 506 each way, so W = 1,011): linear in length with the
@@ -59,9 +62,14 @@ from deberta_jax.kernels.tiling import KernelShape, batch_shards, kernel_shape, 
 # replaces it); once per layer and program is noise in a log that says it elsewhere.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
-# Queries and keys per tile. Triton wants powers of two of at least 16; 64 x 64 float32 scores, their gathers and
-# the accumulators fit a thread block's registers at head sizes up to 128.
-TILE = 64
+# Queries and keys per tile of the forward (and the padding unit) and of the backward passes. Triton wants powers
+# of two of at least 16. Gathering DeBERTa's terms from products, 64 x 64 float32 scores, their gathers and the
+# accumulators fit a thread block's registers at head sizes up to 128 in the forward, 32 x 32 in the backward
+# passes (whose key pass holds two accumulators); with tile-local terms (`Layout.local`) a tile pair also holds
+# its [T, 2T] products, and the tiles halve. At these NVIDIA's assembler spills no register at DeBERTa-base's shape
+# on Hopper and Ampere (benchmarks/gpu_attention.py --ptxas; results/aot-gpu/kernel-floor.md).
+TILE, BACKWARD_TILE = 64, 32
+LOCAL_TILE, LOCAL_BACKWARD_TILE = 32, 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +84,25 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Launches:
-    """The launch of each of the three kernels. The defaults are the settings at which NVIDIA's assembler (ptxas)
-    spills no register of any kernel at DeBERTa-base's production shape, for Hopper and Ampere
-    (`benchmarks/gpu_kernel_floor.py`)."""
+    """The launch of each kernel, and the backward passes' tile."""
 
     forward: Launch = Launch(4, 2)
     key_pass: Launch = Launch(4, 2)
     query_pass: Launch = Launch(4, 2)
-    # The backward passes' tile, a power of two dividing the forward's (the call's `tile`; capped to it). A key
-    # tile's program holds two accumulators, its score gradient and the gathers' addresses: at 64 x 64 they pass
-    # the 255 registers a thread may have and spill; at 32 x 32 they fit (jax's own Pallas attention also
-    # runs its backward in 32 x 32 blocks, its forward in larger ones).
-    backward_tile: int = 32
+    table_pass: Launch = Launch(4, 2)
+    # The backward passes' tile, a power of two capped to the forward's (the call's `tile`); None: BACKWARD_TILE,
+    # or LOCAL_BACKWARD_TILE with tile-local terms. A key tile's program holds two accumulators, its score gradient
+    # and the gathers' addresses: at 64 x 64 they pass the 255 registers a thread may have and spill (jax's own
+    # Pallas attention also runs its backward in smaller blocks than its forward).
+    backward_tile: int | None = None
+    # DeBERTa's position terms are gathered from `[B, H, N, R]` products formed outside the kernels, with gradients
+    # kept per token for the W distances before the relative index saturates, while R + W is at most this (the
+    # published table's 512 + 1,011 at any length); past it (a table that grows with the length, where both are
+    # quadratic) each tile pair forms its own products with the table rows of its distances (`Layout.local`).
+    max_product_width: int = 2048
 
     def __post_init__(self):
-        if self.backward_tile < 8 or self.backward_tile & (self.backward_tile - 1):
+        if self.backward_tile is not None and (self.backward_tile < 8 or self.backward_tile & (self.backward_tile - 1)):
             raise ValueError(f"Launches.backward_tile={self.backward_tile}: a power of two of at least 8 (16 for "
                              "Triton)")
 
@@ -111,6 +123,11 @@ class Layout:
     band_lo: int
     band_width: int
     launches: Launches = Launches()
+    # DeBERTa's terms formed per tile pair (`Launches.max_product_width`): a tile pair's queries (c2p) or keys
+    # (p2c) times the table rows of its 2T - 1 distances, `[T, 2T]`, skewed into place through a program's scratch
+    # (Triton has no gather from registers); their gradients flow back the same way, the tables' per diagonal of
+    # tile pairs in a third backward kernel. Memory linear in length at any table size.
+    local: bool = False
 
     @property
     def ends(self) -> tuple[int, int] | None:
@@ -119,7 +136,17 @@ class Layout:
     @property
     def query_grads(self) -> bool:
         """Whether the query pass writes a per-distance gradient per query (c2p's, a trainable bias's)."""
-        return self.shape.c2p or self.bias_grad
+        return (self.shape.c2p and not self.local) or self.bias_grad
+
+    @property
+    def key_grads(self) -> bool:
+        """Whether the key pass writes a per-distance gradient per key (p2c's)."""
+        return self.shape.p2c and not self.local
+
+    @property
+    def skews(self) -> tuple[bool, bool]:
+        """Whether a program keeps a scratch block for the skew of c2p's and of p2c's tile-local products."""
+        return self.local and self.shape.c2p, self.local and self.shape.p2c
 
     @property
     def grad_columns(self) -> int:
@@ -153,17 +180,75 @@ class _Refs:
     query_hash: object
     key_hash: object
     temperature: object
-    c2p: object
+    c2p: object  # the products (`[N, R]` of the program's sequence and head)
     p2c: object
     rel: object
     bias: object
+    pos_key: object  # the projected tables (`[R, d]` of the head), with `Layout.local`
+    pos_query: object
+    c2p_skew: object = None  # the program's scratch blocks `[T, 2T]` for the skews, with `Layout.local`
+    p2c_skew: object = None
+    interpreted: bool = False
+
+
+def _input_flags(lay: Layout) -> tuple:
+    """Which optional inputs a call has, in `_Refs`' order after (q, k, v, mask)."""
+    s = lay.shape
+    return (s.dropout, s.dropout, s.temperature, s.c2p and not lay.local, s.p2c and not lay.local, s.c2p or s.p2c,
+            s.bias, s.c2p and lay.local, s.p2c and lay.local)
 
 
 def _input_refs(refs: list, lay: Layout) -> _Refs:
-    s = lay.shape
     fixed = take(refs, True, True, True, True)
-    optional = take(refs, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
-    return _Refs(*fixed, *optional)
+    return _Refs(*fixed, *take(refs, *_input_flags(lay)))
+
+
+def _with_skews(ins: _Refs, refs: list, lay: Layout, interpreted: bool) -> _Refs:
+    """The program's inputs with its skew scratch blocks, the refs after its outputs."""
+    c2p_skew, p2c_skew = take(refs, *lay.skews)
+    return dataclasses.replace(ins, c2p_skew=c2p_skew, p2c_skew=p2c_skew, interpreted=interpreted)
+
+
+def _sync(interpreted: bool):
+    """Wait for the whole thread block, whose stores to a scratch block other threads then load. Interpreted, a
+    program runs in order and has no threads to wait for."""
+    if not interpreted:
+        plgpu.debug_barrier()
+
+
+def _skew_columns(t: int):
+    """`[T, T]`: the column of each pair (a, b) of a tile pair in its `[T, 2T]` per-distance block, `a - b + T - 1`
+    (column m is distance `i - j = (query_tile - key_tile) T + m - (T - 1)`)."""
+    local = jnp.arange(t)
+    return local[:, None] - local[None, :] + (t - 1)
+
+
+def _band_table(lay: Layout, refs: _Refs, table_ref, query_tile, key_tile):
+    """`[2T, d]`: the table's row for each column of the tile pair's per-distance block (the last column, a distance
+    no pair has, repeats a neighbour)."""
+    s, t = lay.shape, lay.shape.tile
+    first = (query_tile - key_tile) * t - (t - 1) + s.padded - 1
+    rows = refs.rel[jnp.clip(first + jnp.arange(2 * t), 0, 2 * s.padded - 2)]
+    return table_ref[rows[:, None], jnp.arange(lay.head_dim)[None, :]]
+
+
+def _local_terms(lay: Layout, refs: _Refs, query_tile, key_tile, q, k):
+    """c2p + p2c `[T, T]` float32 of a tile pair from its own products with the table rows of its distances:
+    `q [T, d] x rows [2T, d]` (c2p) and `k x rows` (p2c), each stored to the program's scratch block and read back
+    at each pair's column (for p2c at its key's row)."""
+    t = lay.shape.tile
+    columns = _skew_columns(t)
+    local = jnp.arange(t)
+    parts = [(refs.c2p_skew, q, refs.pos_key, local[:, None]), (refs.p2c_skew, k, refs.pos_query, local[None, :])]
+    parts = [part for part in parts if part[0] is not None]
+    for scratch, x, table, _ in parts:
+        product = plgpu.dot(x, _band_table(lay, refs, table, query_tile, key_tile), trans_b=True)
+        scratch[...] = product.astype(scratch.dtype)
+    _sync(refs.interpreted)
+    terms = sum(scratch[jnp.broadcast_to(rows, columns.shape), columns].astype(jnp.float32)
+                for scratch, _, _, rows in parts)
+    _sync(refs.interpreted)  # before the next pair's stores
+    return terms
 
 
 def _tokens(tile_index, t: int):
@@ -179,7 +264,9 @@ def _tile(lay: Layout, refs: _Refs, query_tile, key_tile, q, k):
     key = key_tile * t + jnp.arange(t)
     distance = query[:, None] - key[None, :]
     raw = plgpu.dot(q, k, trans_b=True)
-    if s.c2p or s.p2c:
+    if lay.local:
+        raw += _local_terms(lay, refs, query_tile, key_tile, q, k)
+    elif s.c2p or s.p2c:
         row = refs.rel[distance + padded - 1]
         if s.c2p:
             raw += refs.c2p[query[:, None], row].astype(jnp.float32)
@@ -207,10 +294,10 @@ def _keep(lay: Layout, refs: _Refs, query_tile, key_tile):
 
 # ------------------------------------------------------------------------------------------------ forward
 def _forward_kernel(*refs, lay: Layout, interpreted: bool):
-    del interpreted  # nothing in the forward pass depends on it
     refs = list(refs)
     ins = _input_refs(refs, lay)
-    out_ref, lse_ref = refs
+    out_ref, lse_ref = take(refs, True, True)
+    ins = _with_skews(ins, refs, lay, interpreted)
     s, t = lay.shape, lay.shape.tile
     query_tile = pl.program_id(2)
     q = ins.q[_tokens(query_tile, t), :]
@@ -306,11 +393,15 @@ def _key_pass_kernel(*refs, lay: Layout, interpreted: bool):
     refs = list(refs)
     ins, do_ref, lse_ref, delta_ref = _backward_inputs(refs, lay)
     s, t = lay.shape, lay.shape.tile
-    ends = s.p2c and lay.ends is not None
-    dk_ref, dv_ref, grad_ref, lo_ref, hi_ref = take(refs, True, True, s.p2c, ends, ends)
+    ends = lay.key_grads and lay.ends is not None
+    dk_ref, dv_ref, grad_ref, lo_ref, hi_ref = take(refs, True, True, lay.key_grads, ends, ends)
+    ins = _with_skews(ins, refs, lay, interpreted)
+    skew_grad, = take(refs, lay.skews[1])  # p2c's tile-local gradient
     tile = pl.program_id(2)
     if grad_ref is not None:
         _zero_rows(grad_ref, interpreted)
+    if skew_grad is not None:
+        _zero_block(skew_grad, interpreted)
     local = jnp.arange(t)[None, :]
     k, v = ins.k[_tokens(tile, t), :], ins.v[_tokens(tile, t), :]
 
@@ -322,7 +413,9 @@ def _key_pass_kernel(*refs, lay: Layout, interpreted: bool):
         p, g, _, distance = _score_grad(lay, ins, query_tile, tile, q, k, v, do, lse_ref[rows], delta_ref[rows])
         dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
         dk += plgpu.dot((g / s.divisor).astype(q.dtype), q, trans_a=True)
-        if s.p2c:
+        if skew_grad is not None:
+            dk += _local_side_grad(lay, ins, skew_grad, g, local, ins.pos_query, query_tile, tile)
+        if lay.key_grads:
             sums = _by_distance(lay, grad_ref, g, distance, local, s.near(query_tile, tile))
             if sums is not None:
                 lo, hi = lo + sums[0], hi + sums[1]
@@ -344,9 +437,13 @@ def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
     s, t = lay.shape, lay.shape.tile
     ends = lay.query_grads and lay.ends is not None
     dq_ref, grad_ref, lo_ref, hi_ref, dt_ref = take(refs, True, lay.query_grads, ends, ends, s.temperature)
+    ins = _with_skews(ins, refs, lay, interpreted)
+    skew_grad, = take(refs, lay.skews[0])  # c2p's tile-local gradient
     tile = pl.program_id(2)
     if grad_ref is not None:
         _zero_rows(grad_ref, interpreted)
+    if skew_grad is not None:
+        _zero_block(skew_grad, interpreted)
     local = jnp.arange(t)[:, None]
     rows = _tokens(tile, t)
     q, do, lse, delta = ins.q[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
@@ -358,6 +455,8 @@ def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
         k = ins.k[keys, :]
         _, g, dt_pair, distance = _score_grad(lay, ins, tile, key_tile, q, k, ins.v[keys, :], do, lse, delta)
         dq += plgpu.dot((g / s.divisor).astype(k.dtype), k)
+        if skew_grad is not None:
+            dq += _local_side_grad(lay, ins, skew_grad, g, local, ins.pos_key, tile, key_tile)
         if dt_pair is not None:
             dt += dt_pair
         if lay.query_grads:
@@ -376,13 +475,91 @@ def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
         lo_ref[...], hi_ref[...] = lo, hi
 
 
+def _zero_block(scratch, interpreted: bool):
+    """Zero a program's `[T, 2T]` gradient scratch once: every tile pair stores its pairs to the same T columns of
+    each row (`_skew_columns`), so the others stay 0."""
+    scratch[...] = jnp.zeros(scratch.shape, scratch.dtype)
+    _sync(interpreted)
+
+
+def _skewed_grad(lay: Layout, refs: _Refs, scratch, g, rows):
+    """`g` `[T, T]` laid out per distance, `[T, 2T]`: stored at each pair's column of its query's (c2p; `rows`
+    `[T, 1]`) or key's (p2c; `[1, T]`) row of the scratch block, and read back whole."""
+    columns = _skew_columns(lay.shape.tile)
+    scratch[jnp.broadcast_to(rows, columns.shape), columns] = g.astype(scratch.dtype)
+    _sync(refs.interpreted)
+    block = scratch[...]
+    _sync(refs.interpreted)  # before the next pair's stores
+    return block
+
+
+def _local_side_grad(lay: Layout, refs: _Refs, scratch, g, rows, table_ref, query_tile, key_tile):
+    """A tile-local position term's share of its side's gradient `[T, d]` float32 (dq for c2p, dk for p2c): the
+    score gradients per distance times the table rows of those distances."""
+    block = _skewed_grad(lay, refs, scratch, g, rows)
+    table = _band_table(lay, refs, table_ref, query_tile, key_tile).astype(block.dtype)
+    return plgpu.dot(block, table) / lay.shape.divisor
+
+
+def _table_pass_kernel(*refs, lay: Layout, interpreted: bool):
+    """Program (sequence, head, diagonal): with `Layout.local`, the gradient of the table rows of one diagonal's
+    distances (the tile pairs whose query tile minus key tile is the same: their per-distance blocks share their
+    columns' distances), `[2T, d]` float32 per position term, summed over the diagonal's pairs. The table's
+    gradient is then a sum of these per distance (`_local_table_grads`): no atomics, nothing quadratic."""
+    refs = list(refs)
+    ins, do_ref, lse_ref, delta_ref = _backward_inputs(refs, lay)
+    c2p, p2c = lay.skews
+    key_table_ref, query_table_ref = take(refs, c2p, p2c)
+    ins = _with_skews(ins, refs, lay, interpreted)
+    c2p_grad, p2c_grad = take(refs, c2p, p2c)
+    for scratch in (c2p_grad, p2c_grad):
+        if scratch is not None:
+            _zero_block(scratch, interpreted)
+    s, t = lay.shape, lay.shape.tile
+    n = s.num_tiles
+    diagonal = pl.program_id(2) - (n - 1)
+    local = jnp.arange(t)
+    parts = [part for part in ((c2p_grad, local[:, None], key_table_ref), (p2c_grad, local[None, :], query_table_ref))
+             if part[0] is not None]
+
+    def visit(step, grads):
+        query_tile = jnp.maximum(diagonal, 0) + step
+        key_tile = query_tile - diagonal
+        rows, keys = _tokens(query_tile, t), _tokens(key_tile, t)
+        q, k = ins.q[rows, :], ins.k[keys, :]
+        _, g, _, _ = _score_grad(lay, ins, query_tile, key_tile, q, k, ins.v[keys, :], do_ref[rows, :],
+                                 lse_ref[rows], delta_ref[rows])
+        columns = _skew_columns(t)
+        for scratch, side, _ in parts:
+            scratch[jnp.broadcast_to(side, columns.shape), columns] = g.astype(scratch.dtype)
+        _sync(interpreted)
+        # c2p's rows take their queries, p2c's their keys.
+        grads = tuple(acc + plgpu.dot(scratch[...], x, trans_a=True)
+                      for acc, (scratch, _, _), x in zip(grads, parts, (q, k) if c2p else (k,)))
+        _sync(interpreted)
+        return grads
+
+    zeros = tuple(jnp.zeros((2 * t, lay.head_dim), jnp.float32) for _ in parts)
+    grads = jax.lax.fori_loop(0, n - jnp.abs(diagonal), visit, zeros)
+    for grad, (_, _, out_ref) in zip(grads, parts):
+        out_ref[...] = grad
+
+
 # ------------------------------------------------------------------------------------------------ plumbing
-def _call(kernel, lay: Layout, inputs, out_shapes, out_specs):
+def _call(kernel, lay: Layout, inputs, out_shapes, out_specs, scratch=(), programs: int | None = None):
     """One pallas_call over (sequence, head, tile): Triton when lowered for a GPU, Pallas' interpreter elsewhere.
     `inputs` are (array, block) pairs: "sequence" arrays `[B, H, N, ...]` read whole per (sequence, head), "mask"
-    `[B, N]`, "heads" `[H, ...]` (one head's slice), "shared" (one block for every program)."""
+    `[B, N]`, "heads" `[H, ...]` (one head's slice), "shared" (one block for every program). `scratch`: a
+    `[T, width]` block of `dtype` per program for each (width, dtype), passed after the outputs and not returned
+    (Pallas' Triton backend has no scratch memory of its own). `programs`: per (sequence, head); default a tile's."""
     b, h = inputs[0][0].shape[:2]
-    grid = (b, h, lay.shape.num_tiles)
+    programs = programs or lay.shape.num_tiles
+    grid = (b, h, programs)
+    t = lay.shape.tile
+    out_shapes = list(out_shapes) + [jax.ShapeDtypeStruct((b, h, programs, t, width), dtype)
+                                     for width, dtype in scratch]
+    out_specs = list(out_specs) + [
+        pl.BlockSpec((None, None, None, t, width), lambda b_, h_, i: (b_, h_, i, 0, 0)) for width, _ in scratch]
 
     def spec(x, block):
         if block == "sequence":
@@ -407,8 +584,17 @@ def _call(kernel, lay: Layout, inputs, out_shapes, out_specs):
             name=kernel.__name__.strip("_"))(*args)
 
     # Triton when the program is lowered for a GPU (also from a machine without one), the interpreter elsewhere.
-    return jax.lax.platform_dependent(*arrays, cuda=functools.partial(run, False),
-                                      default=functools.partial(run, True))
+    outputs = jax.lax.platform_dependent(*arrays, cuda=functools.partial(run, False),
+                                         default=functools.partial(run, True))
+    return tuple(outputs)[:len(outputs) - len(scratch)]
+
+
+def _skew_scratch(lay: Layout, dtype, gradients: tuple[bool, bool] = (False, False)) -> list:
+    """The scratch blocks of a kernel with `Layout.local`: one `[T, 2T]` per tile-local position term for its
+    products, then one per term flagged in `gradients` (c2p, p2c) for its score gradients."""
+    width = 2 * lay.shape.tile
+    return [(width, dtype) for on in lay.skews if on] + [(width, dtype) for on, grad in zip(lay.skews, gradients)
+                                                         if on and grad]
 
 
 def _per_tile(t: int, width: int | None = None):
@@ -421,21 +607,20 @@ def _per_tile(t: int, width: int | None = None):
 def _products(q, k, options, lay: Layout):
     """c2p `[B, H, N, R]` (queries against the position keys) and p2c (keys against the position queries)."""
     pos_key, pos_query = options[3], options[4]
-    c2p = jnp.einsum("bhnd,hrd->bhnr", q, pos_key) if lay.shape.c2p else None
-    p2c = jnp.einsum("bhnd,hrd->bhnr", k, pos_query) if lay.shape.p2c else None
+    c2p = jnp.einsum("bhnd,hrd->bhnr", q, pos_key) if lay.shape.c2p and not lay.local else None
+    p2c = jnp.einsum("bhnd,hrd->bhnr", k, pos_query) if lay.shape.p2c and not lay.local else None
     return c2p, p2c
 
 
 def _inputs(lay: Layout, q, k, v, mask, options):
     s = lay.shape
     rel = None if lay.relative is None else _per_distance(lay.relative.by_distance, s.length, s.padded)
-    query_hash, key_hash, temperature, _, _, bias = options
+    query_hash, key_hash, temperature, pos_key, pos_query, bias = options
     c2p, p2c = _products(q, k, options, lay)
-    items = [(q, "sequence"), (k, "sequence"), (v, "sequence"), (mask, "mask"), (query_hash, "sequence"),
-             (key_hash, "sequence"), (temperature, "sequence"), (c2p, "sequence"), (p2c, "sequence"),
-             (rel, "shared"), (bias, "heads")]
-    on = (True, True, True, True, s.dropout, s.dropout, s.temperature, s.c2p, s.p2c, s.c2p or s.p2c, s.bias)
-    return [item for item, flag in zip(items, on) if flag]
+    items = [(query_hash, "sequence"), (key_hash, "sequence"), (temperature, "sequence"), (c2p, "sequence"),
+             (p2c, "sequence"), (rel, "shared"), (bias, "heads"), (pos_key, "heads"), (pos_query, "heads")]
+    optional = [item for item, flag in zip(items, _input_flags(lay)) if flag]
+    return [(q, "sequence"), (k, "sequence"), (v, "sequence"), (mask, "mask")] + optional
 
 
 def _forward(lay: Layout, q, k, v, mask, options):
@@ -443,7 +628,7 @@ def _forward(lay: Layout, q, k, v, mask, options):
     t = lay.shape.tile
     return _call(_forward_kernel, lay, _inputs(lay, q, k, v, mask, options),
                  [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)],
-                 [_per_tile(t, d), _per_tile(t)])
+                 [_per_tile(t, d), _per_tile(t)], scratch=_skew_scratch(lay, q.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -469,8 +654,9 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):  # no global keys read the log-sum-exp
         d_lse = 0.0
     # The backward passes walk the same padded arrays in their own tile.
+    backward_tile = lay.launches.backward_tile or (LOCAL_BACKWARD_TILE if lay.local else BACKWARD_TILE)
     lay = dataclasses.replace(lay, shape=dataclasses.replace(
-        lay.shape, tile=min(lay.launches.backward_tile, lay.shape.tile), pad_unit=lay.shape.pad_unit or lay.shape.tile))
+        lay.shape, tile=min(backward_tile, lay.shape.tile), pad_unit=lay.shape.pad_unit or lay.shape.tile))
     s, t = lay.shape, lay.shape.tile
     b, h, n_pad, d = q.shape
     # The c2p / p2c products recomputed below depend on saved values only: without this barrier XLA may compute
@@ -486,32 +672,44 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     # their products with the tokens over (sequence, token) are batched matmuls without a transposed copy.
     grads = jax.ShapeDtypeStruct((h, b, n_pad, columns), q.dtype)
     per_distance = pl.BlockSpec((None, None, t, columns), lambda b_, h_, i: (h_, b_, i, 0))
-    key_ends = s.p2c and lay.ends is not None
+    key_ends = lay.key_grads and lay.ends is not None
     query_ends = lay.query_grads and lay.ends is not None
 
-    def run(kernel, items):  # items: (on, shape, spec) in the kernel's output order; None for each that is off
+    def run(kernel, items, gradients=(False, False), programs=None):
+        """items: (on, shape, spec) in the kernel's output order; None for each that is off."""
         on = [item for item in items if item[0]]
-        outputs = _call(kernel, lay, inputs, [shape for _, shape, _ in on], [spec for *_, spec in on])
+        outputs = _call(kernel, lay, inputs, [shape for _, shape, _ in on], [spec for *_, spec in on],
+                        scratch=_skew_scratch(lay, q.dtype, gradients), programs=programs)
         return take(list(outputs), *[item[0] for item in items])
 
     # Two passes, as FlashAttention-2's backward: a program of each holds one pass's accumulators only.
     dk, dv, key_grad, key_lo, key_hi = run(_key_pass_kernel, [
         (True, jax.ShapeDtypeStruct(k.shape, k.dtype), _per_tile(t, d)),
         (True, jax.ShapeDtypeStruct(v.shape, v.dtype), _per_tile(t, d)),
-        (s.p2c, grads, per_distance), (key_ends, per_token, _per_tile(t)), (key_ends, per_token, _per_tile(t))])
+        (lay.key_grads, grads, per_distance), (key_ends, per_token, _per_tile(t)),
+        (key_ends, per_token, _per_tile(t))], gradients=(False, True))
     dq, query_grad, query_lo, query_hi, dt = run(_query_pass_kernel, [
         (True, jax.ShapeDtypeStruct(q.shape, q.dtype), _per_tile(t, d)), (lay.query_grads, grads, per_distance),
         (query_ends, per_token, _per_tile(t)), (query_ends, per_token, _per_tile(t)),
-        (s.temperature, per_token, _per_tile(t))])
+        (s.temperature, per_token, _per_tile(t))], gradients=(True, False))
 
     _, _, temperature, pos_key, pos_query, bias = options
     d_pos_key = d_pos_query = d_bias = None
-    if s.c2p:
-        dq_terms, d_pos_key = _table_grads(lay, query_grad, query_lo, query_hi, q, pos_key)
-        dq = (dq.astype(jnp.float32) + dq_terms).astype(dq.dtype)
-    if s.p2c:
-        dk_terms, d_pos_query = _table_grads(lay, key_grad, key_lo, key_hi, k, pos_query)
-        dk = (dk.astype(jnp.float32) + dk_terms).astype(dk.dtype)
+    if lay.local:
+        diagonals = 2 * s.num_tiles - 1
+        per_diagonal = jax.ShapeDtypeStruct((b, h, diagonals, 2 * t, d), jnp.float32)
+        spec = pl.BlockSpec((None, None, None, 2 * t, d), lambda b_, h_, i: (b_, h_, i, 0, 0))
+        key_table, query_table = run(_table_pass_kernel, [(s.c2p, per_diagonal, spec), (s.p2c, per_diagonal, spec)],
+                                     gradients=(True, True), programs=diagonals)
+        d_pos_key = None if key_table is None else _local_table_grads(lay, key_table, pos_key)
+        d_pos_query = None if query_table is None else _local_table_grads(lay, query_table, pos_query)
+    else:
+        if s.c2p:
+            dq_terms, d_pos_key = _table_grads(lay, query_grad, query_lo, query_hi, q, pos_key)
+            dq = (dq.astype(jnp.float32) + dq_terms).astype(dq.dtype)
+        if s.p2c:
+            dk_terms, d_pos_query = _table_grads(lay, key_grad, key_lo, key_hi, k, pos_query)
+            dk = (dk.astype(jnp.float32) + dk_terms).astype(dk.dtype)
     if lay.bias_grad:
         d_bias = _bias_grad(lay, query_grad, query_lo, query_hi, bias.shape[-1]).astype(bias.dtype)
     if s.temperature and temperature.shape[1] == 1:  # one factor for every head
@@ -521,6 +719,20 @@ def _attention_bwd(lay: Layout, residuals, cotangents):
     grads = jax.lax.optimization_barrier((dq, dk, dv, (dt, d_pos_key, d_pos_query, d_bias)))
     dq, dk, dv, (dt, d_pos_key, d_pos_query, d_bias) = grads
     return dq, dk, dv, None, (None, None, dt, d_pos_key, d_pos_query, d_bias)
+
+
+def _local_table_grads(lay: Layout, per_diagonal, table):
+    """A table's gradient from the table pass's blocks (`[B, H, 2n - 1, 2T, d]` float32, n tiles): each block row
+    (a diagonal's distance) added to the table row that distance reads."""
+    s, t = lay.shape, lay.shape.tile
+    n = s.num_tiles
+    distance = (np.arange(2 * n - 1) - (n - 1))[:, None] * t - (t - 1) + np.arange(2 * t)[None, :]
+    by_distance = _per_distance(lay.relative.by_distance, s.length, s.padded)
+    rows = by_distance[np.clip(distance + s.padded - 1, 0, 2 * s.padded - 2)].reshape(-1)
+    b, h, _, _, d = per_diagonal.shape
+    summed = per_diagonal.sum(axis=0).reshape(h, -1, d)
+    d_table = jnp.zeros(table.shape, jnp.float32).at[:, rows].add(summed)
+    return (d_table / s.divisor).astype(table.dtype)
 
 
 def _table_grads(lay: Layout, grad, lo, hi, x, table):
@@ -566,36 +778,50 @@ def _bias_grad(lay: Layout, grad, lo, hi, width: int):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def _layout(terms: ScoreTerms, shape: KernelShape, head_dim: int) -> Layout:
+def _tile_local(terms: ScoreTerms, launches: Launches) -> bool:
+    """Whether DeBERTa's terms are formed per tile pair (`Layout.local`): their products and per-distance gradients
+    would be wider than `launches.max_product_width` (table rows plus distances before the index saturates)."""
+    if terms.relative is None or (terms.pos_key is None and terms.pos_query is None):
+        return False
+    n = terms.q.shape[-2]
+    ends = saturation(terms.relative.by_distance, n, n)
+    width = 2 * n - 1 if ends is None else ends[0] - ends[1] - 1
+    rows = (terms.pos_key if terms.pos_key is not None else terms.pos_query).shape[1]
+    return rows + width > launches.max_product_width
+
+
+def _layout(terms: ScoreTerms, shape: KernelShape, head_dim: int, launches: Launches, local: bool) -> Layout:
     """The call's layout: its band of per-distance gradients covers the distances before each indexed term's index
-    saturates (DeBERTa's relative index, a bias's buckets); a bias without buckets (ALiBi's, differentiated only in
-    tests) needs every distance."""
+    saturates (DeBERTa's relative index unless tile-local, a bias's buckets); a bias without buckets (ALiBi's,
+    differentiated only in tests) needs every distance."""
     n = shape.length
     relative = shape.c2p or shape.p2c
-    indices = [terms.relative] * relative + [terms.bias_index] * shape.bias
+    indices = [terms.relative] * (relative and not local) + [terms.bias_index] * shape.bias
     ends = [None if index is None else saturation(index.by_distance, n, n) for index in indices]
     d_hi, d_lo = n, -n  # every distance
     if ends and None not in ends:
         d_hi, d_lo = max(hi for hi, _ in ends), min(lo for _, lo in ends)
     return Layout(dataclasses.replace(shape, ends=None if d_hi == n else (d_hi, d_lo)), head_dim,
                   relative=terms.relative if relative else None, bias_grad=shape.bias, band_lo=d_lo + 1,
-                  band_width=d_hi - d_lo - 1)
+                  band_width=d_hi - d_lo - 1, launches=launches, local=local)
 
 
 def pallas_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, dropout_rate: float = 0.0,
-                     dropout_key: jax.Array | None = None, tile: int = TILE,
+                     dropout_key: jax.Array | None = None, tile: int | None = None,
                      launches: Launches = Launches()) -> jax.Array:
     """Self-attention of any variant, DeBERTa's included, fused for GPUs: the dense kernel's result to float
     rounding, attention dropout included (the same mask).
 
     `terms` carries DeBERTa's projected tables (`pos_key` / `pos_query`, `[H, R, d]`) and the row per distance
-    (`relative`), as the TPU kernel takes them. `tile` (at least 16, a power of two) and `launches` are Triton's
-    knobs: tests take small tiles, `benchmarks/gpu_check.py` times other settings."""
-    shape = kernel_shape(terms, "pallas", tile, dropout_rate, dropout_key)
+    (`relative`), as the TPU kernel takes them. `tile` (the forward's, a power of two, at least 16 for Triton; None:
+    TILE, or LOCAL_TILE with tile-local terms) and `launches` are Triton's knobs: tests take small tiles,
+    `benchmarks/gpu_check.sh` times other settings."""
+    local = _tile_local(terms, launches)
+    shape = kernel_shape(terms, "pallas", tile or (LOCAL_TILE if local else TILE), dropout_rate, dropout_key)
     batch, heads, length, d = terms.q.shape
     q, k = terms.q, terms.k
     head_dim = max(16, pl.next_power_of_2(d))  # zero features change no product
-    lay = dataclasses.replace(_layout(terms, shape, head_dim), launches=launches)
+    lay = _layout(terms, shape, head_dim, launches, local)
     n_pad = shape.padded
 
     def padded(x):

@@ -311,6 +311,31 @@ def test_window_global_keys_with_every_option_equal_the_dense_kernel(kernel, win
     check_every_option(functools.partial(kernel, tile=tile), window)
 
 
+TILE_LOCAL = Launches(max_product_width=0)  # DeBERTa's terms formed per tile pair at any table size
+
+
+@pytest.mark.parametrize("terms_on,buckets", [(("c2p", "p2c"), R // 2), (("c2p", "p2c"), 0), (("c2p",), R // 2),
+                                              (("p2c",), 0)])
+def test_gpu_tile_local_terms_equal_the_dense_kernel(terms_on, buckets):
+    """The GPU kernel with DeBERTa's terms formed per tile pair (a tile's queries or keys times the table rows of
+    its distances, skewed through the program's scratch; the tables' gradients per diagonal of tile pairs), as it
+    runs with a table grown to the length: outputs and every gradient equal the dense kernel's, each term alone and
+    both, log buckets and exact distances, 37 positions in tiles of 16 (a ragged last tile, padding)."""
+    terms, v, key_mask = table_inputs(terms_on, buckets)
+    out, grads = outputs_and_grads(fused(pallas_attention, tile=16, launches=TILE_LOCAL), terms, v, key_mask)
+    want_out, want_grads = outputs_and_grads(dense_attention, terms, v, key_mask)
+    assert max_error(out, want_out) < 2e-6
+    assert max_error(grads, want_grads) < 3e-6
+
+
+@pytest.mark.parametrize("window", [0, 12])
+def test_gpu_tile_local_terms_with_every_option(window):
+    """Tile-local terms beside T5's bias (whose per-distance gradient keeps its band), a temperature per head,
+    dropout and a window with its global keys; backward in tiles of 8 under a forward of 16."""
+    launches = dataclasses.replace(TILE_LOCAL, backward_tile=8)
+    check_every_option(functools.partial(pallas_attention, tile=16, launches=launches), window)
+
+
 @pytest.mark.parametrize("window", [0, 12])
 def test_gpu_backward_in_smaller_tiles_than_its_forward(window):
     """The GPU kernel's backward passes walk the forward's padded arrays in their own, smaller tiles (as on a GPU:
