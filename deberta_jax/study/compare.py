@@ -61,7 +61,8 @@ def load(paths: list[str], models: list[str], policy: str = DEFAULT_POLICY) -> p
         frame = report.load_results(path)
         labels.update(frame["model"].unique())
         # Each seed's own records: the file's means over seeds are recomputed here, over the seeds compared.
-        frame = frame[frame["model"].isin(models) & (frame["metric"] == "loss") & (frame["bucket"] == "all")
+        paired = frame["metric"].str.startswith(report.CONTEXT_USE)
+        frame = frame[frame["model"].isin(models) & ((frame["metric"] == "loss") | paired) & (frame["bucket"] == "all")
                       & frame["policy"].isin(["none", policy]) & frame["seed"].map(lambda s: isinstance(s, int))]
         frames.append(frame.assign(results=path))
     records = pd.concat(frames, ignore_index=True)
@@ -80,7 +81,7 @@ def load(paths: list[str], models: list[str], policy: str = DEFAULT_POLICY) -> p
 def chunked_rises(records: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     """One row per (dataset, model, seed): loss at 1x, its difference from the baseline's at that seed, and the
     rise at every longer multiple; then each model's mean over its seeds."""
-    chunked = records[records["protocol"] == "chunked"]
+    chunked = records[(records["protocol"] == "chunked") & (records["metric"] == "loss")]
     loss = chunked.pivot_table(index=["dataset", "model", "seed"], columns="multiple", values="value")
     table = pd.DataFrame({"1x": loss[1.0]})
     if baseline is not None:
@@ -94,7 +95,8 @@ def chunked_rises(records: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
 
 def fixed_targets(records: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds of the loss of the targets placed L/2 into each window, by window length."""
-    fixed = records[(records["protocol"] == "fixed_target") & (records["offset"] == records["train_len"] // 2)]
+    fixed = records[(records["protocol"] == "fixed_target") & (records["offset"] == records["train_len"] // 2)
+                    & (records["metric"] == "loss")]
     return fixed.pivot_table(index=["dataset", "model"], columns="eval_len", values="value", aggfunc="mean")
 
 
@@ -123,8 +125,20 @@ def plot(fixed: pd.DataFrame, path: str) -> None:
     plt.close(fig)
 
 
-def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float) -> str:
-    lines = ["## Chunked loss: 1x and the rise past it, per seed and mean", ""]
+def context_use(records: pd.DataFrame) -> list[str]:
+    """The paired context-use measure of the compared models (each seed's record and the mean over the seeds
+    compared, its documents resampled jointly), or a line saying why there is none."""
+    paired = records[records["metric"].str.startswith(report.CONTEXT_USE)]
+    if paired.empty:
+        return ["## Context use past L", "", "No paired records: score each model with full attention and with "
+                "`--methods window_global` (or `window`) in one study; the measure is formed from per-document "
+                "sums of the same targets, never from two runs' overall losses.", ""]
+    runs = paired.drop(columns="results")
+    return report.context_use_markdown(pd.concat([runs, report.aggregate_seeds(runs)], ignore_index=True))
+
+
+def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float, paired: list[str] = ()) -> str:
+    lines = [*paired, "## Chunked loss: 1x and the rise past it, per seed and mean", ""]
     cells = rises.copy()
     for column in cells.columns:
         signed = column != "1x"  # differences carry their sign
@@ -147,7 +161,7 @@ def main(argv):
     models = FLAGS.models + ([FLAGS.baseline] if FLAGS.baseline and FLAGS.baseline not in FLAGS.models else [])
     records = load(FLAGS.results, models, FLAGS.policy)
     rises, fixed = chunked_rises(records, FLAGS.baseline), fixed_targets(records)
-    text = markdown(rises, fixed, FLAGS.flat_within)
+    text = markdown(rises, fixed, FLAGS.flat_within, context_use(records))
     print(text)
     if FLAGS.out:
         storage.write_text(os.path.join(FLAGS.out, "compare.md"), text)

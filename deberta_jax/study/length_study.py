@@ -429,6 +429,41 @@ def _records(em: EvalModel, sums: scoring.Sums, resamples: np.ndarray, **key) ->
     return out
 
 
+# The length methods that hide keys past a window of the training length: what the paired measure compares with.
+WINDOW_METHODS = ("window", "window_global")
+
+
+def context_use_records(scored: dict, resamples: dict[str, np.ndarray]) -> list[dict]:
+    """The paired context-use measure: for each model scored both as trained (full attention) and under a window
+    method (`window`, `window_global`: the keys of a window of its training length) at the same length, on the same
+    windows and targets, its loss as trained minus its windowed loss (`report.CONTEXT_USE` + the method), summed per
+    document, with a bootstrap interval over documents whose resamples pair the two. Negative: the keys the window
+    hides lower the loss, so the model uses context past its training length. The per-document sums ride in the
+    record (`doc_diff`, `doc_count`), for the interval over seeds (`report.aggregate_seeds`).
+
+    `scored` maps (source, seed, dataset, policy, eval_len, protocol, offset, method) to (EvalModel, loss per
+    document, targets per document); pairs whose targets differ are refused."""
+    out = []
+    for key, (em, loss, count) in scored.items():
+        *unit, method = key
+        full = scored.get((*unit, "none"))
+        if method not in WINDOW_METHODS or full is None:
+            continue
+        full_em, full_loss, full_count = full
+        dataset, policy, eval_len, protocol, offset = unit[2:]
+        if not np.array_equal(count, full_count):
+            raise ValueError(f"{em.label} and {full_em.label} ({dataset}, length {eval_len}, {protocol}) were scored "
+                             "on different targets, so their losses do not pair; score both in one study")
+        diff = full_loss - loss
+        lo, hi = scoring.bootstrap_ratio_ci(diff, count, resamples[dataset])
+        out.append(dict(full_em.identity(), train_len=full_em.train_len, multiple=eval_len / full_em.train_len,
+                        policy=policy, dataset=dataset, eval_len=eval_len, protocol=protocol, offset=offset,
+                        bucket="all", metric=report.CONTEXT_USE + method,
+                        value=float(diff.sum() / max(count.sum(), 1)), ci_low=lo, ci_high=hi,
+                        n_tokens=int(count.sum()), doc_diff=diff.tolist(), doc_count=count.tolist()))
+    return out
+
+
 def add_relative_change(records: list[dict]) -> list[dict]:
     """`loss_change_vs_1x`: loss minus the same model's loss at its training length (chunked)."""
     at_1x = {(r["model"], r["seed"], r["policy"], r["dataset"]): r["value"] for r in records
@@ -533,6 +568,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
     notice: a signal handler that raised would do so inside whatever code the signal interrupted).
     """
     records, skipped = [], []
+    per_document, resamples_of = {}, {}  # per-document sums of each unit, for `context_use_records`
     models = with_methods(models, settings.methods, skipped)
     # Before anything is scored: models the report would average as seeds of one model without their being so.
     report.check_seed_groups([dict(em.identity(), dataset=em.dataset) for em in models])
@@ -575,7 +611,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                     raise ValueError(
                         f"{dataset}: {len(corpus.tokens)} tokens is shorter than the longest eval length "
                         f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
-                resamples = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
+                resamples = resamples_of[dataset] = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
                 chosen = [protocols.get(name) for name in settings.protocols]
                 starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
                           if any(p.needs_starts for p in chosen) else None)
@@ -599,6 +635,8 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                             for offset, windows in protocol.windows(setting):
                                 scored = True
                                 sums = scoring.score_windows(scorer, corpus, windows, batch, bucket_width, desc)
+                                per_document[(em.source, em.seed, dataset, policy, eval_len, protocol.name, offset,
+                                              em.method)] = (em, sums.loss_doc, sums.count_doc)
                                 records += [r for r in _records(em, sums, resamples, protocol=protocol.name,
                                                                 offset=offset, **common)
                                             if protocol.per_position or r["bucket"] == "all"]
@@ -607,4 +645,4 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                     f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
     finally:
         progress.close()
-    return add_relative_change(records), skipped
+    return add_relative_change(records) + context_use_records(per_document, resamples_of), skipped

@@ -50,6 +50,13 @@ REFERENCES = ("unigram", "oracle")
 RESULTS_FILE = "results.json.gz"
 # Metrics the report derives from the runs' own records (`add_gap_closed`), rebuilt rather than read back.
 DERIVED_METRICS = ("gap_closed",)
+# The paired context-use measure (`length_study.context_use_records`): metric `context_use:<window method>`, the
+# model's loss with full attention minus its loss with that window, on the same targets; its records carry the
+# per-document sums (`PAIRED_COLUMNS`) that the interval over seeds resamples.
+CONTEXT_USE = "context_use:"
+PAIRED_COLUMNS = ("doc_diff", "doc_count")
+# Resamples of the documents for an interval pooled over seeds (`length_study.StudySettings.bootstrap`'s default).
+BOOTSTRAP_RESAMPLES = 1000
 
 
 def records_frame(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
@@ -205,7 +212,43 @@ def aggregate_seeds(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
         source=[sources[i] for i in groups.ngroup()],
         ci_low=np.where(several, mean - half, frame["ci_low"]),
         ci_high=np.where(several, mean + half, frame["ci_high"]))
-    return records_frame(merged.drop_duplicates(list(KEY_FIELDS)).reset_index(drop=True))
+    merged = merged.drop_duplicates(list(KEY_FIELDS)).reset_index(drop=True)
+    if all(column in frame.columns for column in PAIRED_COLUMNS):
+        # Context use over seeds: the documents resampled jointly (the same documents for every seed), not a
+        # t-interval over two or three seeds' values.
+        for key, rows in frame.groupby(list(KEY_FIELDS), sort=False, dropna=False):
+            if len(rows) > 1 and rows["doc_diff"].map(lambda d: isinstance(d, list)).all():
+                merged.loc[_same_key(merged, key), ["ci_low", "ci_high"]] = pooled_interval(rows)
+        merged = merged.assign(doc_diff=None, doc_count=None)
+    return records_frame(merged)
+
+
+def _same_key(frame: pd.DataFrame, key: tuple) -> pd.Series:
+    """Rows whose `KEY_FIELDS` equal `key`, missing values (a chunked record's offset) matching missing ones."""
+    match = pd.Series(True, index=frame.index)
+    for column, value in zip(KEY_FIELDS, key):
+        match &= frame[column].isna() if pd.isna(value) else frame[column].astype(object).eq(value)
+    return match
+
+
+def pooled_interval(rows: pd.DataFrame) -> tuple[float | None, float | None]:
+    """`CONFIDENCE` interval of the mean over seeds of a paired measure's value, resampling the documents jointly:
+    each resample draws documents once and every seed's sums over them (`doc_diff` over `doc_count`) are averaged.
+    Seeds scored on different documents are refused."""
+    diffs = [np.asarray(d, np.float64) for d in rows["doc_diff"]]
+    counts = [np.asarray(c, np.float64) for c in rows["doc_count"]]
+    if len({len(d) for d in diffs}) != 1:
+        raise ValueError(f"{rows['model'].iloc[0]}: its seeds' context use was measured on different documents "
+                         f"({sorted({len(d) for d in diffs})}); score every seed on the same text")
+    diff, count = np.stack(diffs), np.stack(counts)
+    if np.count_nonzero(count.sum(axis=0)) < 2:
+        return None, None
+    draws = np.random.default_rng([0, diff.shape[1]]).integers(0, diff.shape[1],
+                                                               size=(BOOTSTRAP_RESAMPLES, diff.shape[1]))
+    stat = (diff[:, draws].sum(axis=2) / np.maximum(count[:, draws].sum(axis=2), 1)).mean(axis=0)
+    tail = 50 * (1 - CONFIDENCE)
+    lo, hi = np.percentile(stat, [tail, 100 - tail])
+    return float(lo), float(hi)
 
 
 def add_gap_closed(records: Iterable[dict] | pd.DataFrame) -> pd.DataFrame:
@@ -246,9 +289,11 @@ def check_finite(records: Iterable[dict] | pd.DataFrame) -> None:
 
 
 def _json_rows(frame: pd.DataFrame) -> list[dict]:
-    """Rows as plain Python records, None where a value is missing; rows of single runs carry no `n_seeds`."""
+    """Rows as plain Python records, None where a value is missing; rows of single runs carry no `n_seeds`, rows
+    other than a run's context use no per-document sums."""
     rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
-    return [{k: v for k, v in r.items() if k != "n_seeds" or v is not None} for r in rows]
+    optional = ("n_seeds", *PAIRED_COLUMNS)
+    return [{k: v for k, v in r.items() if k not in optional or v is not None} for r in rows]
 
 
 def write_results(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], out_dir: str,
@@ -281,7 +326,7 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
     # A rebuilt report reads its floor warnings back with the notes: they are drawn anew (in this version's words).
     notes = list(dict.fromkeys([*(note for note in notes if FLOOR_WARNING not in note), *floor]))
     write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
-    summary = markdown_summary(means, skipped, notes, checkpoint_steps(frame))
+    summary = markdown_summary(means, skipped, notes, checkpoint_steps(frame), runs=frame)
     with storage.replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
         f.write(summary)
     plots = plot_all(means, out_dir)
@@ -377,16 +422,41 @@ def _grid(cells: pd.DataFrame, index: list[str], column: str | list[str], column
     return wide.reindex(columns=list(columns)).astype(object).fillna("–").reset_index()
 
 
+def context_use_markdown(records: Iterable[dict] | pd.DataFrame, digits: int = 3) -> list[str]:
+    """Markdown of the paired context-use measure (`CONTEXT_USE`): per dataset, protocol and window method, one row
+    per model, policy and seed (each run's bootstrap interval over documents; "mean": the documents resampled
+    jointly over the seeds), one column per eval length. Empty without such records."""
+    frame = records_frame(records)
+    paired = frame[frame["metric"].str.startswith(CONTEXT_USE) & (frame["bucket"] == "all")
+                   & (frame["protocol"].map(protocols.layout_of) != "by_offset")]
+    lines = []
+    for (dataset, protocol, metric), rows in paired.groupby(["dataset", "protocol", "metric"], sort=True):
+        rows = rows.assign(seed=rows["seed"].astype(str), label=_length_labels(rows), cell=_cells(rows, digits),
+                           ratio=rows["eval_len"] / rows["train_len"])
+        labels = rows.sort_values(["ratio", "label"])["label"].unique()
+        index = ["model", "policy", "train_len", "seed"]
+        order = rows[index].drop_duplicates().assign(last=lambda r: r["seed"] == "mean").sort_values(
+            ["model", "policy", "train_len", "last", "seed"])
+        table = _grid(rows, index, "label", labels, order).rename(columns={"train_len": "L"})
+        method = metric[len(CONTEXT_USE):]
+        lines += [f"## {dataset}: {protocol}, context use past L: loss with full attention minus with {method}", "",
+                  f"The same model on the same windows and targets, summed per document; negative: the keys that "
+                  f"{method} hides lower the loss. 95% bootstrap interval over documents, paired (per seed; over "
+                  "seeds the documents resampled jointly).", "", markdown_table(table), ""]
+    return lines
+
+
 def _length_labels(frame: pd.DataFrame) -> list[str]:
     """`2x` for a multiple of the training length, `L+16` otherwise."""
     return [f"{e // t}x" if e % t == 0 else f"L{e - t:+d}" for e, t in zip(frame["eval_len"], frame["train_len"])]
 
 
 def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict], notes: Sequence[str] = (),
-                     checkpoints: Sequence[str] = ()) -> str:
+                     checkpoints: Sequence[str] = (), runs: Iterable[dict] | pd.DataFrame | None = None) -> str:
     """Per dataset, a table for every protocol in `means`, laid out as its registry entry says
     (`protocols.layout_of`): loss and accuracy by eval length, or loss by offset of the target span. `notes` are
-    warnings at the top, `checkpoints` (`checkpoint_steps`) the steps scored."""
+    warnings at the top, `checkpoints` (`checkpoint_steps`) the steps scored; with the per-seed records `runs`, the
+    paired context-use measure per seed and over seeds (`context_use_markdown`)."""
     means = records_frame(means)
     lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
              "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
@@ -403,6 +473,8 @@ def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dic
                 lines += _by_offset(rows[rows["metric"] == "loss"], f"{dataset}: {protocol}")
             else:
                 lines += _by_length(rows, f"{dataset}: {protocol}")
+    if runs is not None:
+        lines += context_use_markdown(pd.concat([records_frame(runs), means], ignore_index=True))
     if skipped:
         lines += ["## Not evaluated", ""]
         reasons = (pd.DataFrame(list(skipped)).reindex(columns=["model", "policy", "eval_len", "reason"])

@@ -499,6 +499,7 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy, sweep.eval.multiples), "",
+        *report.context_use_markdown(pd.concat([report.records_frame(records), means], ignore_index=True)),
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots], "",
         "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
         "raw records: [results.json.gz](results.json.gz) (`deberta_jax.study.report.load_results`).", "",

@@ -73,6 +73,31 @@ def test_a_model_in_two_files_or_in_none_is_refused(studies, tmp_path):
         compare.load(studies, ["plain", "absent"])
 
 
+def paired(model, seed, diffs, counts, multiple=8):
+    """A run's context use at one multiple, as `length_study.context_use_records` writes it."""
+    value = sum(diffs) / sum(counts)
+    return dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=100, train_len=L, policy="none",
+                dataset="brown/valid", bucket="all", metric=report.CONTEXT_USE + "window_global", protocol="chunked",
+                offset=None, multiple=float(multiple), eval_len=L * multiple, value=value, ci_low=value - 0.01,
+                ci_high=value + 0.01, n_tokens=sum(counts), doc_diff=diffs, doc_count=counts)
+
+
+def test_context_use_per_seed_and_pooled_over_the_seeds_compared(studies, tmp_path):
+    """The paired records of the seeds compared: each seed's row, and their mean with the documents resampled
+    jointly; a model without paired records gets the line that says how to make them, not a figure."""
+    rows = records("recipe", 0, 3.7, {}, {}) + records("recipe", 1, 3.7, {}, {})
+    rows += [paired("recipe", 0, [-2.0, -1.0, 0.5, -3.0], [10, 10, 10, 10]),
+             paired("recipe", 1, [-1.0, -2.0, -1.0, -2.0], [10, 10, 10, 10])]
+    report.write_results(rows, [], str(tmp_path / "paired"))
+    loaded = compare.load([str(tmp_path / "paired")], ["recipe"])
+    text = "\n".join(compare.context_use(loaded))
+    lo, hi = report.pooled_interval(loaded[loaded["metric"].str.startswith(report.CONTEXT_USE)])
+    assert "| recipe | none | 64 | 0 | -0.138 [-0.148, -0.128] |" in text
+    assert f"| recipe | none | 64 | mean | -0.144 [{lo:.3f}, {hi:.3f}] |" in text
+    assert lo < -0.144 < hi
+    assert "No paired records" in compare.context_use(compare.load(studies, ["plain"]))[2]
+
+
 def test_the_command_writes_the_tables_and_the_plot(studies, tmp_path):
     result = subprocess.run([sys.executable, "-m", "deberta_jax.study.compare", "--results", studies[0], "--results",
                              studies[1], "--models", "recipe", "--baseline", "plain", "--out", str(tmp_path / "out")],

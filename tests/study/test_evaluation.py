@@ -37,10 +37,10 @@ def corpus(docs, tok):
     return targets.build_corpus(docs, tok, seed=0)
 
 
-def tiny(tok, **kw):
+def tiny(tok, seed=0, **kw):
     cfg = dict(vocab_size=tok.get_vocab_size(), hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                max_position_embeddings=32, trained_length=16, position_buckets=8, max_relative_positions=16)
-    return MaskedLM(ModelConfig(**dict(cfg, **kw)), rngs=nnx.Rngs(0))
+    return MaskedLM(ModelConfig(**dict(cfg, **kw)), rngs=nnx.Rngs(seed))
 
 
 def scored_positions(windows):
@@ -436,3 +436,46 @@ def test_progress_is_one_bar_on_a_terminal_and_a_line_per_unit_elsewhere():
         else:
             lines = stream.getvalue().splitlines()
             assert [line.split(" (")[0] for line in lines] == [f"scoring {i}/2: {u}" for i, u in enumerate(units, 1)]
+
+
+def test_context_use_is_the_paired_difference_per_document(tok, docs, tmp_path):
+    """Two seeds scored with full attention and with window_global: each seed's context use is its full-attention
+    loss minus its windowed loss on the same targets (0 at 1x, where the window holds every key), with a bootstrap
+    interval over documents; the mean over seeds resamples the documents jointly; summary.md shows both."""
+    models = [length_study.EvalModel("deb", seed, f"d{seed}", tiny(tok, seed=seed), tok, 16) for seed in (0, 1)]
+    settings = length_study.StudySettings(lengths=(16, 64), protocols=("chunked",), bootstrap=200,
+                                          methods=("window_global",))
+    records, skipped = length_study.run_study(models, {"d": docs}, settings)
+    loss = {(r["model"], r["seed"], r["eval_len"]): r["value"] for r in records
+            if r["metric"] == "loss" and r["bucket"] == "all"}
+    paired = {(r["seed"], r["eval_len"]): r for r in records if r["metric"] == "context_use:window_global"}
+    assert set(paired) == {(0, 16), (0, 64), (1, 16), (1, 64)}
+    for (seed, n), r in paired.items():
+        assert r["model"] == "deb" and r["method"] == "none"
+        assert r["value"] == pytest.approx(loss["deb", seed, n] - loss["deb+window_global", seed, n], abs=1e-9)
+        assert sum(r["doc_count"]) == r["n_tokens"] and len(r["doc_diff"]) == len(docs)
+    assert paired[0, 16]["value"] == pytest.approx(0, abs=1e-6)
+    assert all(paired[s, 64]["value"] != 0 for s in (0, 1))  # untrained: ~1e-5, the window still hides keys
+    for seed in (0, 1):
+        r = paired[seed, 64]
+        assert r["ci_low"] < r["value"] < r["ci_high"]
+    means, summary, _ = report.write_report(records, skipped, str(tmp_path))
+    mean = means[(means["metric"] == "context_use:window_global") & (means["eval_len"] == 64)].iloc[0]
+    pooled = report.pooled_interval(pd.DataFrame([paired[0, 64], paired[1, 64]]))
+    assert (mean["ci_low"], mean["ci_high"]) == pytest.approx(pooled)
+    assert mean["value"] == pytest.approx((paired[0, 64]["value"] + paired[1, 64]["value"]) / 2)
+    table = summary.split("context use past L")[1]
+    assert "| deb | none | 16 | 0 |" in table and "| deb | none | 16 | mean |" in table
+    assert f"{mean['value']:.3f} [{mean['ci_low']:.3f}, {mean['ci_high']:.3f}]" in table
+    rebuilt = report.rebuild_report(str(tmp_path))[0]
+    again = rebuilt[(rebuilt["metric"] == "context_use:window_global") & (rebuilt["eval_len"] == 64)].iloc[0]
+    assert (again["ci_low"], again["ci_high"]) == pytest.approx(pooled)
+
+
+def test_context_use_refuses_losses_of_different_targets():
+    em = length_study.EvalModel("deb", 0, "d", None, None, 16)
+    unit = ("d", 0, "brown", "none", 64, "chunked", None)
+    scored = {(*unit, "none"): (em, np.ones(3), np.array([5.0, 5.0, 5.0])),
+              (*unit, "window_global"): (em, np.ones(3), np.array([5.0, 4.0, 5.0]))}
+    with pytest.raises(ValueError, match="scored on different targets, so their losses do not pair"):
+        length_study.context_use_records(scored, {"brown": np.zeros((4, 3), int)})
