@@ -51,6 +51,10 @@ flags.DEFINE_multi_string("hf_checkpoint", [], "transformers save_pretrained dir
                           "gs://bucket/...: "
                           "model.safetensors and config.json, with tokenizer.json or, as published checkpoints ship "
                           "it, DeBERTa's spm.model or BERT's vocab.txt (converted by transformers).")
+flags.DEFINE_integer("hf_trained_length", None, "The training length (tokens) of the --hf_checkpoint models that do "
+                     "not record theirs (published checkpoints; this project's exports record it): what 1x is. "
+                     "Default: each checkpoint's max_position_embeddings; summary.md states the length assumed.",
+                     lower_bound=1)
 flags.DEFINE_string("checkpoint", "latest",
                     "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
 flags.DEFINE_multi_string("data_files", [], "Eval text: files, local or gs://bucket/... (comma-separated/globs), "
@@ -102,10 +106,12 @@ def dataset_name(spec: str) -> str:
     return f"{os.path.basename(os.path.dirname(first))}/{os.path.splitext(os.path.basename(first))[0]}"
 
 
-def load_models(workdirs, checkpoints, step, **overrides) -> list[length_study.EvalModel]:
-    """Trained workdirs and transformers checkpoints; `overrides` replace ModelConfig fields (the kernel)."""
+def load_models(workdirs, checkpoints, step, hf_trained_length=None, notes=None,
+                **overrides) -> list[length_study.EvalModel]:
+    """Trained workdirs and transformers checkpoints (those that do not record their training length trained at
+    `hf_trained_length`, said in `notes`); `overrides` replace ModelConfig fields (the kernel)."""
     return ([length_study.load_workdir_model(w, step, **overrides) for w in workdirs]
-            + [length_study.load_hf_checkpoint(c, **overrides) for c in checkpoints])
+            + [length_study.load_hf_checkpoint(c, hf_trained_length, notes, **overrides) for c in checkpoints])
 
 
 def usage_error(message: str) -> NoReturn:
@@ -176,14 +182,14 @@ def main(argv):
     overrides = {name: FLAGS[name].value for name in ("attention_kernel", "attention_block_size")
                  if FLAGS[name].value is not None}
     length_study.check_labels(FLAGS.workdir, FLAGS.hf_checkpoint)
-    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, **overrides)
+    warnings = []
+    models = load_models(FLAGS.workdir, FLAGS.hf_checkpoint, step, FLAGS.hf_trained_length, warnings, **overrides)
     references = []
     if FLAGS.unigram and FLAGS.workdir:
         references.append(length_study.unigram_reference(models[0]))
     if FLAGS.oracle:
         references += length_study.oracle_references(models[0], specs)
     models += references
-    warnings = []
     records, skipped = length_study.run_study(models, datasets, settings, warnings=warnings)
     note = length_study.unpaired_note(
         (m.label, m.tokenizer.to_str()) for m in models if m.label not in report.REFERENCES)

@@ -22,6 +22,7 @@ transformers exactly as `AutoTokenizer` would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -38,6 +39,10 @@ from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 
 CONFIG_FILE = "config.json"
+# The length a model of this project trained at (`ModelConfig.trained_length`), written into an export's config.json
+# (transformers keeps keys it does not know as attributes): what an evaluation's 1x is. A published checkpoint has no
+# such record.
+TRAINED_LENGTH_KEY = "deberta_jax_trained_length"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 # What published checkpoints ship instead of tokenizer.json, with the models that use them.
@@ -84,14 +89,21 @@ _FIELDS = (
 
 
 # --------------------------------------------------------------------------- loading
-def load(path: str | os.PathLike, **overrides) -> MaskedLM:
+def load(path: str | os.PathLike, trained_length: int | None = None, **overrides) -> MaskedLM:
     """Build the `MaskedLM` stored at `path` (a `save_pretrained` directory) with its weights.
 
-    `overrides` replace `ModelConfig` fields after conversion (e.g. `clamp_relative_positions=True`,
-    `absolute_position_policy="clip"`).
+    `trained_length` is the length it trained at, for a checkpoint that does not record it (`TRAINED_LENGTH_KEY`;
+    one that does and says otherwise is refused). `overrides` replace `ModelConfig` fields after conversion (e.g.
+    `clamp_relative_positions=True`, `absolute_position_policy="clip"`).
     """
     config, tensors = read_checkpoint(path)
-    cfg = config_from_hf(config).with_options(**overrides)
+    cfg = config_from_hf(config)
+    if trained_length is not None:
+        if cfg.trained_length not in (None, trained_length):
+            raise CheckpointError(f"{path} records its training length, {cfg.trained_length} tokens (this project's "
+                                  f"export), not the {trained_length} given; leave the training length out")
+        cfg = dataclasses.replace(cfg, trained_length=trained_length)
+    cfg = cfg.with_options(**overrides)
     # Abstract parameters: every one is replaced by a checkpoint tensor, so none is drawn at random first.
     model = nnx.eval_shape(lambda: MaskedLM(cfg, rngs=nnx.Rngs(0)))
     assign_weights(model, tensors, family=config["model_type"], legacy=config.get("legacy", True))
@@ -158,6 +170,10 @@ def config_from_hf(config: Mapping) -> ModelConfig:
         raise CheckpointError(f"config.json: model_type={family!r} is not supported; use 'bert' or 'deberta-v2'")
     common = {field: config[key] if default is None else config.get(key, default) for key, field, default in _FIELDS}
     common["layer_norm_eps"] = config.get("layer_norm_eps", _LAYER_NORM_EPS[family])
+    common["trained_length"] = _require(config, TRAINED_LENGTH_KEY,
+                                        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                                                and v > 0),
+                                        "the training length this project's export records is a number of tokens")
     if family == "bert":
         _require(config, "position_embedding_type", lambda v: v in (None, "absolute"),
                  "only absolute position embeddings are supported for BERT")
@@ -373,6 +389,8 @@ def config_to_hf(cfg: ModelConfig, *, pad_token_id: int = 0) -> dict:
     out = {"model_type": family, "architectures": [_ARCHITECTURES[family]],
            **{key: getattr(cfg, field) for key, field, _ in _FIELDS},
            "layer_norm_eps": cfg.layer_norm_eps, "pad_token_id": pad_token_id, "tie_word_embeddings": True}
+    if cfg.trained_length is not None:
+        out[TRAINED_LENGTH_KEY] = cfg.trained_length
     if family == "bert":
         # BertEmbeddings always adds a token-type row; `export_tensors` writes a zero one when the model has none.
         out.update(type_vocab_size=max(cfg.type_vocab_size, 1), position_embedding_type="absolute")

@@ -213,14 +213,17 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
                      **run_identity(workdir, chosen, step))
 
 
-def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
+def load_hf_checkpoint(path: str, trained_length: int | None = None, notes: list[str] | None = None,
+                       **overrides) -> EvalModel:
     """A transformers `save_pretrained` directory (local or in a bucket) as an `EvalModel`: weights from
     `model.safetensors`, the tokenizer from `tokenizer.json` or converted from the `spm.model` / `vocab.txt`
     published checkpoints ship (`hf.load_tokenizer`), so its special tokens and [MASK] id are the checkpoint's own.
 
     Loaded with the clamp of relative distances (`ModelConfig.clamp_relative_positions`), since lengths past
-    training are the point here; its training length is taken to be `max_position_embeddings` (512 for
-    published models).
+    training are the point here. Its training length (what 1x is) is the one this project's export records
+    (`hf.TRAINED_LENGTH_KEY`); a published checkpoint records none, so it is `trained_length`, or else
+    `max_position_embeddings` (512 for published models), and a sentence saying so is appended to `notes` (the
+    report's warnings). A `trained_length` that contradicts the recorded one is refused.
     """
     with storage.local_copy(path) as local:  # transformers' tokenizer conversion reads local files only
         tokenizer = hf.load_tokenizer(local)
@@ -229,13 +232,21 @@ def load_hf_checkpoint(path: str, **overrides) -> EvalModel:
             raise ValueError(f"the tokenizer in {path} has no {', '.join(missing)}: the study needs "
                              f"{', '.join(SPECIAL_TOKENS)} (BERT's and DeBERTa's spellings); checkpoints with other "
                              "special tokens (e.g. RoBERTa's <mask>) are not supported")
-        model = hf.load(local, **{"clamp_relative_positions": True, **overrides})
-        config = hashlib.sha256(storage.read_bytes(storage.path(local) / "config.json")).hexdigest()[:16]
+        config_bytes = storage.read_bytes(storage.path(local) / hf.CONFIG_FILE)
+        config = json.loads(config_bytes)
+        label = os.path.basename(os.path.normpath(path))
+        if config.get(hf.TRAINED_LENGTH_KEY) is None:
+            assumed = "as given" if trained_length else "its max_position_embeddings"
+            trained_length = trained_length or config["max_position_embeddings"]
+            if notes is not None:
+                notes.append(f"{label}: the checkpoint does not record its training length, so 1x is taken to be "
+                             f"{trained_length} tokens ({assumed}), and the lengths scored are multiples of that")
+        model = hf.load(local, trained_length=trained_length, **{"clamp_relative_positions": True, **overrides})
+        config = hashlib.sha256(config_bytes).hexdigest()[:16]
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer in {path} has {tokenizer.get_vocab_size()} tokens but the model has only "
                          f"vocab_size={model.cfg.vocab_size} embedding rows: they do not belong together")
-    return EvalModel(os.path.basename(os.path.normpath(path)), "published", path, model, tokenizer,
-                     model.cfg.max_position_embeddings, config=config)
+    return EvalModel(label, "published", path, model, tokenizer, model.cfg.trained_length, config=config)
 
 
 def _replaced_training_options(cfg: ModelConfig, options: dict) -> dict:

@@ -340,11 +340,30 @@ def test_transformers_checkpoint_is_evaluated_like_a_workdir(tmp_path, docs, tok
         max_relative_positions=16, pos_att_type=["c2p", "p2c"], position_biased_input=False, type_vocab_size=0)
     transformers.DebertaV2ForMaskedLM(config).save_pretrained(tmp_path)
     tok.save(str(tmp_path / "tokenizer.json"))
-    em = length_study.load_hf_checkpoint(str(tmp_path))
+    notes = []
+    em = length_study.load_hf_checkpoint(str(tmp_path), notes=notes)
     assert em.train_len == 32 and em.model.cfg.clamp_relative_positions
+    assert notes == [f"{tmp_path.name}: the checkpoint does not record its training length, so 1x is taken to be 32 "
+                     "tokens (its max_position_embeddings), and the lengths scored are multiples of that"]
     records, skipped = length_study.run_study(
         [em], {"d": docs}, length_study.StudySettings(multiples=(1, 4), extra=(), protocols=("chunked",), bootstrap=20))
     assert {r["eval_len"] for r in records if r["metric"] == "loss"} == {32, 128} and not skipped
+    given = length_study.load_hf_checkpoint(str(tmp_path), trained_length=16, notes=notes)
+    assert given.train_len == 16 and given.model.cfg.effective_trained_length == 16 and "(as given)" in notes[-1]
+
+
+def test_an_export_carries_its_training_length_to_the_evaluation(tmp_path, tok):
+    """A model trained at 16 tokens with room for 32 positions, exported: the evaluation's 1x is 16, not 32; a
+    training length given against the recorded one is refused."""
+    from deberta_jax.model import hf
+
+    hf.save(tiny(tok), tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    notes = []
+    em = length_study.load_hf_checkpoint(str(tmp_path), notes=notes)
+    assert em.train_len == 16 and em.model.cfg.max_position_embeddings == 32 and notes == []
+    with pytest.raises(ValueError, match="records its training length, 16 tokens .* not the 32 given"):
+        length_study.load_hf_checkpoint(str(tmp_path), trained_length=32)
 
 
 def test_oracle_scores_only_its_synthetic_dataset_and_gap_closed_is_the_share_of_the_gap():
