@@ -48,7 +48,7 @@ def define_flags() -> None:
     flags.DEFINE_string("policy", DEFAULT_POLICY, "A model with a learned absolute table (BERT) is compared under this "
                         "policy past the training length (clip, untrained or interpolate, as scored).")
     flags.DEFINE_float("flat_within", 0.02, "Fixed targets: a change within this many nats from the window of L to the "
-                       "longest window counts as flat.")
+                       "longest window counts as flat.", lower_bound=0.0)
     flags.DEFINE_string("out", None, "Folder for compare.md and fixed_targets.png (local or gs://...).")
 
 
@@ -83,6 +83,13 @@ def chunked_rises(records: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     rise at every longer multiple; then each model's mean over its seeds."""
     chunked = records[(records["protocol"] == "chunked") & (records["metric"] == "loss")]
     loss = chunked.pivot_table(index=["dataset", "model", "seed"], columns="multiple", values="value")
+    if 1.0 not in loss.columns:
+        raise ValueError("the results hold no chunked loss at 1x (the training length), which every rise is measured "
+                         "from; score the models with multiple 1 (eval.py's default --multiples)")
+    unscored = loss.index[loss[1.0].isna()]
+    if len(unscored):
+        raise ValueError(f"{unscored[0][1]} (seed {unscored[0][2]}, {unscored[0][0]}) has no chunked loss at 1x, "
+                         "which its rises are measured from; score it with multiple 1")
     table = pd.DataFrame({"1x": loss[1.0]})
     if baseline is not None:
         base = loss.xs(baseline, level="model")[1.0]
@@ -101,9 +108,19 @@ def fixed_targets(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def verdicts(fixed: pd.DataFrame, flat_within: float) -> pd.Series:
-    """falls / flat / rises, from the window of L to the longest one."""
-    change = fixed.ffill(axis=1).iloc[:, -1] - fixed.iloc[:, 0]
-    return change.map(lambda c: f"{c:+.3f}: " + ("flat" if abs(c) <= flat_within else "falls" if c < 0 else "rises"))
+    """falls / flat / rises, from each model's window of L to the longest window it was scored at (models of other
+    training lengths fill other columns; a model scored short of the table's longest window says up to which)."""
+    if not flat_within >= 0:
+        raise ValueError(f"flat_within={flat_within}: give a non-negative number of nats")
+    longest = fixed.columns[-1]
+
+    def verdict(row):
+        scored = row.dropna()
+        change = scored.iloc[-1] - scored.iloc[0]
+        word = "flat" if abs(change) <= flat_within else "falls" if change < 0 else "rises"
+        upto = "" if scored.index[-1] == longest else f" (to {scored.index[-1]})"
+        return f"{change:+.3f}{upto}: {word}"
+    return fixed.apply(verdict, axis=1)
 
 
 def plot(fixed: pd.DataFrame, path: str) -> None:
@@ -144,6 +161,8 @@ def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float, paire
         signed = column != "1x"  # differences carry their sign
         cells[column] = cells[column].map(lambda v, signed=signed: f"{v:+.3f}" if signed else f"{v:.3f}")
     lines.append(report.markdown_table(cells.reset_index()))
+    if fixed.empty:
+        return "\n".join([*lines, "", "No fixed-target records (eval.py --protocols fixed_target) to compare."]) + "\n"
     table = fixed.copy()
     table.columns = [str(c) for c in table.columns]
     table = table.map(lambda v: "" if pd.isna(v) else f"{v:.3f}")
@@ -165,7 +184,8 @@ def main(argv):
     print(text)
     if FLAGS.out:
         storage.write_text(os.path.join(FLAGS.out, "compare.md"), text)
-        plot(fixed, os.path.join(FLAGS.out, "fixed_targets.png"))
+        if not fixed.empty:
+            plot(fixed, os.path.join(FLAGS.out, "fixed_targets.png"))
 
 
 if __name__ == "__main__":

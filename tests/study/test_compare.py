@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from deberta_jax.study import compare, report
@@ -50,6 +51,19 @@ def test_fixed_targets_say_whether_the_extra_keys_help(studies):
     assert verdict[("brown/valid", "plain")] == "+0.500: rises"
     assert verdict[("brown/valid", "recipe")] == "-0.055: falls"
     assert compare.verdicts(fixed, flat_within=0.06)[("brown/valid", "recipe")] == "-0.055: flat"
+
+
+def test_verdicts_of_models_of_other_lengths_read_their_own_windows():
+    """A model trained at 128 has no window of 64, one at 64 none of 512: each verdict runs from the model's own
+    window of L to its own longest, and says when that falls short of the table's; a negative tolerance is
+    refused."""
+    fixed = pd.DataFrame({64: [4.0, None], 128: [4.1, 3.9], 256: [4.3, 3.905], 512: [None, 3.9]},
+                         index=pd.MultiIndex.from_tuples([("brown", "short"), ("brown", "long")]))
+    verdict = compare.verdicts(fixed, flat_within=0.02)
+    assert verdict[("brown", "short")] == "+0.300 (to 256): rises"
+    assert verdict[("brown", "long")] == "+0.000: flat"
+    with pytest.raises(ValueError, match="flat_within=-0.1: give a non-negative number of nats"):
+        compare.verdicts(fixed, flat_within=-0.1)
 
 
 def test_a_model_with_an_absolute_table_is_read_under_one_policy(tmp_path):
@@ -106,3 +120,15 @@ def test_the_command_writes_the_tables_and_the_plot(studies, tmp_path):
     text = (tmp_path / "out" / "compare.md").read_text()
     assert "| brown/valid | recipe | mean | 3.765 | +0.015 | -0.040 | -0.110 |" in text
     assert (tmp_path / "out" / "fixed_targets.png").stat().st_size > 1000
+
+
+def test_results_without_1x_or_fixed_targets(tmp_path):
+    """No 1x: refused in a line naming the fix; no fixed-target records: the table says so, no plot."""
+    rows = [r for r in records("plain", 0, 3.7, {2: 0.1}, {}) if r["protocol"] == "chunked"]
+    report.write_results(rows, [], str(tmp_path / "chunked"))
+    loaded = compare.load([str(tmp_path / "chunked")], ["plain"])
+    text = compare.markdown(compare.chunked_rises(loaded, None), compare.fixed_targets(loaded), 0.02)
+    assert "No fixed-target records" in text
+    report.write_results([r for r in rows if r["multiple"] != 1.0], [], str(tmp_path / "no1x"))
+    with pytest.raises(ValueError, match="no chunked loss at 1x"):
+        compare.chunked_rises(compare.load([str(tmp_path / "no1x")], ["plain"]), None)
