@@ -60,20 +60,20 @@ flags.DEFINE_string("checkpoint", "latest",
 flags.DEFINE_multi_string("data_files", [], "Eval text: files, local or gs://bucket/... (comma-separated/globs), "
                           "hf:NAME[:CONFIG][:SPLIT] or synthetic:TASK[:SPLIT][:PARAMS]; repeat for several datasets.")
 flags.DEFINE_string("out", None, "Output directory: a local folder or gs://bucket/...")
-flags.DEFINE_list("lengths", _csv(_DEFAULTS.lengths),
+errors.list_flag("lengths", _csv(_DEFAULTS.lengths),
                   "Explicit eval lengths (tokens incl. [CLS]/[SEP]); default: multiples of each model's L.")
-flags.DEFINE_list("multiples", _csv(_DEFAULTS.multiples), "Multiples of the training length L.")
-flags.DEFINE_list("extra", _csv(_DEFAULTS.extra), "Also evaluate at L + each of these.")
-flags.DEFINE_list("policies", _csv(_DEFAULTS.policies),
+errors.list_flag("multiples", _csv(_DEFAULTS.multiples), "Multiples of the training length L.")
+errors.list_flag("extra", _csv(_DEFAULTS.extra), "Also evaluate at L + each of these.")
+errors.list_flag("policies", _csv(_DEFAULTS.policies),
                   f"Out-of-range policies for learned absolute tables (BERT input table, DeBERTa EMD table), "
                   f"of {ABSOLUTE_POSITION_POLICIES}.")
-flags.DEFINE_list("methods", _csv(_DEFAULTS.methods),
+errors.list_flag("methods", _csv(_DEFAULTS.methods),
                   f"Also score every trained model past its training length under each of these, of "
                   f"{tuple(length_study.LENGTH_METHODS)} (labelled <model>+<method>): log_length scales each query's "
                   "scores by log(keys seen) / log(L), window attends to the L positions around each query, "
                   "window_global also to each row's [CLS] and closing [SEP], interpolate_distances multiplies "
                   "relative distances by L / N.")
-flags.DEFINE_list("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {tuple(protocols.PROTOCOLS)}.")
+errors.list_flag("protocols", _csv(_DEFAULTS.protocols), f"Protocols, of {tuple(protocols.PROTOCOLS)}.")
 flags.DEFINE_integer("mask_seed", _DEFAULTS.mask_seed, "Seed of the fixed per-position targets (shared by all models).")
 flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,
                      "Batch size in tokens; rows per batch = this // length.")

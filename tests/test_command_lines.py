@@ -36,6 +36,7 @@ SWEEP = [sys.executable, "-m", "deberta_jax.study.sweep"]
 SEED_RATE = [sys.executable, "-m", "deberta_jax.study.seed_rate"]
 CURVES = [sys.executable, "-m", "deberta_jax.study.curves"]
 FETCH = [sys.executable, "-m", "deberta_jax.data.fetch"]
+COMPARE = [sys.executable, "-m", "deberta_jax.study.compare"]
 # No network: every HTTPS request goes to a proxy port where nothing listens.
 OFFLINE = ["env", "https_proxy=http://127.0.0.1:9", "HTTPS_PROXY=http://127.0.0.1:9", "no_proxy=", "NO_PROXY="]
 CONFIG = ["--config", "configs/deberta.py:micro"]
@@ -138,6 +139,19 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
          f"--brown_zip={tmp}/a_file is not a zip file: give NLTK's brown.zip"),
         (SEED_RATE + ["--curves", curves, "--out", f"{tmp}/rate", "--margin=-0.5"], 1, "--margin=-0.5"),
         (SEED_RATE + ["--curves", bad_curves, "--out", f"{tmp}/rate"], 1, "bad-curves.json is not valid JSON"),
+        # Values that would plan runs, or write, somewhere else than asked.
+        (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--sweep.workdir_root=", "--mode", "print"], 1,
+         "--sweep.workdir_root is empty: give a folder"),
+        (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--sweep.report_dir=s3:/bucket/report", "--mode", "print"],
+         1, "--sweep.report_dir='s3:/bucket/report' is neither a bucket URL nor a local path: write "
+         "s3://bucket/report"),
+        (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--mode", "print", "--seeds=0,"], 1,
+         "flag --seeds=['0', '']: an empty item (a trailing or doubled comma?)"),
+        (COMPARE + ["--results", f"{tmp}/out", "--models", "a,", "--out", f"{tmp}/compare"], 1,
+         "flag --models=['a', '']: an empty item"),
+        (COMPARE + ["--results", f"{tmp}/out", "--models", "a", "--out", ""], 1, "--out is empty: give a folder"),
+        (COMPARE + ["--results", f"{tmp}/out", "--models", "a", "--flat_within=-1"], 1,
+         "flag --flat_within=-1: -1.0 is not a non-negative number"),
     ]
 
 

@@ -38,6 +38,7 @@ from ml_collections import config_flags  # noqa: E402
 from deberta_jax import storage  # noqa: E402
 from deberta_jax.aot import build, text  # noqa: E402
 from deberta_jax.aot.chips import TopologyError  # noqa: E402
+from deberta_jax.data import errors  # noqa: E402
 from deberta_jax.train import config_checks  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs/deberta.py:base.", lock_config=True)
@@ -45,12 +46,12 @@ flags.DEFINE_string("topology", None, "TPU slice GENERATION:GRID, e.g. v5e:4x4, 
                     "GPU[:COUNT], COUNT GPUs of one node (1 to 8) of h100, h200, a100, e.g. h100 or h100:8.")
 flags.DEFINE_integer("num_slices", 1, "TPU slices joined over the data-center network (multi-slice); data parallel "
                      "across them. GPU targets are one node.")
-flags.DEFINE_list("programs", list(build.PROGRAMS), f"Which programs to compile, of {list(build.PROGRAMS)}.")
+errors.list_flag("programs", list(build.PROGRAMS), f"Which programs to compile, of {list(build.PROGRAMS)}.")
 flags.DEFINE_integer("length_multiple", 8, "The length study's forward is compiled at this multiple of "
                      "config.data.seq_len.")
-flags.DEFINE_list("length_kernels", None, "Attention kernels for the length forward (default: "
+errors.list_flag("length_kernels", None, "Attention kernels for the length forward (default: "
                   f"{','.join(build.LENGTH_KERNELS['tpu'])} on TPU, {','.join(build.LENGTH_KERNELS['gpu'])} on GPU).")
-flags.DEFINE_list("length_methods", [], "Also compile the length forward under each of these length methods "
+errors.list_flag("length_methods", [], "Also compile the length forward under each of these length methods "
                   "(eval.py --methods; e.g. log_length,window,interpolate_distances), with each length kernel.")
 flags.DEFINE_enum("format", "text", ["text", "markdown"], "Per-program blocks, or one markdown table row each.")
 flags.DEFINE_string("out", None, "Also write the figures to this JSON file.")

@@ -32,6 +32,18 @@ def check_location(flag: str, value: str) -> None:
                          f"{scheme[1]}://{value[len(scheme[0]):]} (two slashes)")
 
 
+def list_flag(name: str, default, help: str, flag_values=None) -> None:
+    """`flags.DEFINE_list` that refuses an empty item (`--seeds=0,`, `--runs=a,,b`): absl would hand back an empty
+    name, which then matches nothing or everything. The refusal is absl's one-line flag error."""
+    from absl import flags
+
+    flag_values = flag_values or flags.FLAGS
+    flags.DEFINE_list(name, default, help, flag_values=flag_values)
+    flags.register_validator(name, lambda items: items is None or all(item.strip() for item in items),
+                             message="an empty item (a trailing or doubled comma?): give the items separated by "
+                                     "single commas", flag_values=flag_values)
+
+
 def reporting_user_errors(main: Callable, program: str, also: tuple[type[BaseException], ...] = ()) -> Callable:
     """`main` (an absl main) that exits with `program: message` for `USER_ERRORS` and `also`, unless
     `TRACEBACK_VARIABLE` is set, and with status 130 on Ctrl-C."""

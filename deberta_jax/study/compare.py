@@ -41,7 +41,9 @@ DEFAULT_POLICY = "clip"
 def define_flags() -> None:
     """The command line's flags, defined only when run as a program (eval.py's --out must not clash)."""
     flags.DEFINE_multi_string("results", [], "A study's results file (results.json.gz); repeat for more.")
-    flags.DEFINE_list("models", [], "Model labels to compare, as the results files name them (e.g. deberta-emd-L64, "
+    from deberta_jax.data import errors
+
+    errors.list_flag("models", [], "Model labels to compare, as the results files name them (e.g. deberta-emd-L64, "
                       "deberta-emd-L64+window).")
     flags.DEFINE_string("baseline", None,
                         "The label whose 1x loss each model's 1x loss is compared with, seed by seed.")
@@ -177,6 +179,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.results or not FLAGS.models:
         raise app.UsageError("give --results (one or more) and --models")
+    if FLAGS.out is not None:
+        errors.check_location("--out", FLAGS.out)
     models = FLAGS.models + ([FLAGS.baseline] if FLAGS.baseline and FLAGS.baseline not in FLAGS.models else [])
     records = load(FLAGS.results, models, FLAGS.policy)
     rises, fixed = chunked_rises(records, FLAGS.baseline), fixed_targets(records)

@@ -60,9 +60,9 @@ flags.DEFINE_enum("mode", "run", ["run", "train", "print", "report", "score"],
                   "run: train missing runs here, then evaluate and report; train: train missing runs only; print: "
                   "write one command per run; report: evaluate finished runs and write the report; score: evaluate "
                   "only the --runs named.")
-flags.DEFINE_list("runs", [], "With --mode score: the runs to evaluate, by name (the last part of their workdir, "
+errors.list_flag("runs", [], "With --mode score: the runs to evaluate, by name (the last part of their workdir, "
                   "e.g. deberta-L64-s0), comma-separated.")
-flags.DEFINE_list("seeds", [], "With --mode train or print: only these seeds' runs (all by default), comma-separated; "
+errors.list_flag("seeds", [], "With --mode train or print: only these seeds' runs (all by default), comma-separated; "
                   "processes given different seeds train side by side.")
 FLAGS = flags.FLAGS
 PROGRAM = "python -m deberta_jax.study.sweep"
@@ -552,6 +552,8 @@ def main(argv):
     library_logs.quiet()
     sweep = FLAGS.sweep
     sweep.config_path = config_flags.get_config_filename(FLAGS["sweep"])
+    for field in ("workdir_root", "report_dir"):  # before any run is planned under them
+        errors.check_location(f"--sweep.{field}", sweep[field])
     runs = planned_runs(sweep)
     if FLAGS.runs and FLAGS.mode != "score":
         raise ValueError(f"--runs applies to --mode score only (given with --mode {FLAGS.mode})")

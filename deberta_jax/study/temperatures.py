@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The command line's flags, defined only when run as a program (train.py's --workdir must not clash)."""
     flags.DEFINE_multi_string("workdir", [], "A training workdir whose model learned its temperature; repeat for more.")
-    flags.DEFINE_list("lengths", ["64", "2048"], "Key counts n at which to give each head's factor.")
+    errors.list_flag("lengths", ["64", "2048"], "Key counts n at which to give each head's factor.")
 
 
 def slopes(model: MaskedLM) -> np.ndarray:
