@@ -66,7 +66,8 @@ flags.DEFINE_string("branch_from", None, "A workdir whose run differs from this 
                     "Ignored once "
                     "--workdir holds checkpoints of its own.")
 flags.DEFINE_integer("stop_at_step", None, "Stop (saving a checkpoint) after this step, as if preempted; the "
-                     "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.")
+                     "schedule still spans config.train.num_steps. For time-limited jobs and resume tests.",
+                     lower_bound=1)
 
 FLAGS = flags.FLAGS
 

@@ -139,6 +139,8 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
          f"--brown_zip={tmp}/a_file is not a zip file: give NLTK's brown.zip"),
         (SEED_RATE + ["--curves", curves, "--out", f"{tmp}/rate", "--margin=-0.5"], 1, "--margin=-0.5"),
         (SEED_RATE + ["--curves", bad_curves, "--out", f"{tmp}/rate"], 1, "bad-curves.json is not valid JSON"),
+        (TRAIN + CONFIG + ["--workdir", workdir, "--stop_at_step=0"], 1,
+         "flag --stop_at_step=0: 0 is not a positive integer"),
         # Values that would plan runs, or write, somewhere else than asked.
         (SWEEP + ["--sweep", "configs/sweeps/ablation.py", "--sweep.workdir_root=", "--mode", "print"], 1,
          "--sweep.workdir_root is empty: give a folder"),
