@@ -115,7 +115,15 @@ def _write(model: MaskedLM, tokenizer: Tokenizer, folder: Path) -> list[str]:
 
 def export_workdir(workdir: str | os.PathLike, out: str | os.PathLike, step: int | str | None = None) -> list[str]:
     """Export a training workdir's checkpoint (`step` as in `checkpoint.load_workdir`) to `out`; either may be in a
-    bucket. `out` is checked before the model is loaded."""
+    bucket. `out` is checked before the model is loaded. The notes say where transformers' logits differ
+    (`export_model`), and when the step exported is not the run's last (an unfinished or stopped run)."""
     check_out_dir(out)
-    _, model, tokenizer = checkpoint.load_workdir(workdir, step)
-    return export_model(model, tokenizer, out)
+    chosen = checkpoint.resolve_step(workdir, step)
+    config, model, tokenizer = checkpoint.load_workdir(workdir, chosen)
+    notes = export_model(model, tokenizer, out)
+    planned = config.get("train", {}).get("num_steps")
+    if planned is not None and chosen < planned:
+        notes.append(f"exported step {chosen} of the {planned} that {workdir} is configured to train "
+                     "(config.train.num_steps): the run is unfinished or was stopped early, or an earlier step was "
+                     "asked for")
+    return notes

@@ -203,11 +203,7 @@ def load_workdir_model(workdir: str, step: int | str | None = None, **overrides)
     """A trained run as an `EvalModel` (latest checkpoint, "best", or a step); `overrides` as in
     `checkpoint.load_workdir` (e.g. the attention kernel). The step is resolved first, so the results can name the
     checkpoint they scored."""
-    manager = checkpoint.checkpoint_manager(workdir, read_only=True)
-    try:
-        chosen = checkpoint.select_step(manager, step, workdir)
-    finally:
-        manager.close()
+    chosen = checkpoint.resolve_step(workdir, step)
     config, model, tokenizer = checkpoint.load_workdir(workdir, chosen, **overrides)
     return EvalModel(run_label(workdir), model=model, tokenizer=tokenizer, train_len=int(config.data.seq_len),
                      **run_identity(workdir, chosen, step))

@@ -363,6 +363,15 @@ def content_fingerprint(workdir: str | Path, step: int) -> str:
     return digest.hexdigest()
 
 
+def resolve_step(workdir: str | Path, step: int | str | None = None) -> int:
+    """The checkpoint step that `step` (as `load_workdir` takes it) names in `workdir`."""
+    manager = checkpoint_manager(workdir, read_only=True)
+    try:
+        return select_step(manager, step, workdir)
+    finally:
+        manager.close()
+
+
 def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
                  ) -> tuple[config_dict.ConfigDict, MaskedLM, Tokenizer]:
     """Rebuilds `(config, model, tokenizer)` from a training workdir, nothing else needed.

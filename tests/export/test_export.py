@@ -153,9 +153,11 @@ def test_clamp_warning_names_the_length_where_transformers_parts(fields):
     assert "bfloat16 rounding at every length" in note
 
 
-def write_workdir(root, model, tokenizer):
-    """A workdir as train.py leaves it, as far as `load_workdir` reads it: config, tokenizer, one checkpoint."""
-    checkpoint.write_config(root, config_dict.ConfigDict({"model": model.cfg.to_dict()}))
+def write_workdir(root, model, tokenizer, num_steps=None):
+    """A workdir as train.py leaves it, as far as `load_workdir` reads it: config, tokenizer, one checkpoint (step
+    1, of `num_steps` when given)."""
+    config = {"model": model.cfg.to_dict()} | ({"train": {"num_steps": num_steps}} if num_steps else {})
+    checkpoint.write_config(root, config_dict.ConfigDict(config))
     save_tokenizer(tokenizer, root / checkpoint.TOKENIZER_FILE)
     params = nnx.to_pure_dict(nnx.state(model))
     state = TrainState(step=jnp.asarray(1, jnp.int32), params=params, opt_state=optax.adam(1e-3).init(params))
@@ -183,6 +185,15 @@ def test_command_line_exports_a_workdir_and_warns_where_its_absolute_policy_leav
     assert ids.shape[1] > 24
     assert max_error(reference, with_options(model, absolute_position_policy="untrained"), ids, mask, types) <= TOL
     assert max_error(reference, model, ids, mask, types) > 1e-2
+
+
+def test_an_unfinished_run_is_exported_with_a_note_saying_so(tmp_path, tokenizer):
+    model = random_model(tokenizer, trained_length=24)
+    notes = writer.export_workdir(write_workdir(tmp_path / "run", model, tokenizer, num_steps=300), tmp_path / "out")
+    assert notes[-1].startswith(f"exported step 1 of the 300 that {tmp_path / 'run'} is configured to train")
+    finished = writer.export_workdir(write_workdir(tmp_path / "done", model, tokenizer, num_steps=1), tmp_path / "o2")
+    assert not any("configured to train" in note for note in finished)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[hf.TRAINED_LENGTH_KEY] == 24
 
 
 @pytest.mark.parametrize("fields, field", [
