@@ -101,6 +101,9 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (TRAIN + CONFIG + ["--workdir", "gs:/bucket/run"], 1, "train.py: --workdir='gs:/bucket/run' is neither"),
         (TRAIN + CONFIG + ["--workdir", f"{tmp}/branch", "--branch_from", "gs:/bucket/run"], 1,
          "train.py: --branch_from='gs:/bucket/run' is neither"),
+        (TRAIN + CONFIG + ["--workdir", f"{tmp}/branch", "--branch_from", f"{tmp}/export"], 1,
+         f"train.py: {tmp}/export/config.json is a transformers checkpoint's (model_type='deberta-v2': an export, "
+         f"which eval.py reads with --hf_checkpoint): {tmp}/export is not a training workdir"),
         (TRAIN + CONFIG + ["--workdir", f"{tmp}/branch", "--branch_from", f"{tmp}/nowhere"], 1,
          f"train.py: --branch_from: {tmp}/nowhere/config.json not found: {tmp}/nowhere is not a training workdir"),
         (CURVES + ["--workdir", f"bert={workdir}", "--workdir", f"bert={tmp}/other", "--out", f"{tmp}/curves"], 1,
@@ -208,6 +211,8 @@ def test_bad_input_ends_in_one_line_without_a_traceback(tmp_path):
     (tmp_path / "a_file").write_text("")
     (tmp_path / "truncated").mkdir()
     (tmp_path / "truncated" / "config.json").write_text('{"model": {"hidden_size": 3')
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"model_type": "deberta-v2", "hidden_size": 32}')
     (tmp_path / "train.txt.gz").write_bytes(gzip.compress(b"some words\n" * 100))
     (tmp_path / "curves.json").write_text(json.dumps({"curves": {}, "workdirs": {}}))
     (tmp_path / "bad-curves.json").write_text('{"curves": {"bert": {"1": 2.')

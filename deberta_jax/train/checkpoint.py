@@ -302,11 +302,17 @@ def read_config(workdir: str | Path) -> config_dict.ConfigDict:
         raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir (train.py writes "
                                 f"{CONFIG_FILE} there at start-up)")
     try:
-        return config_dict.ConfigDict(json.loads(storage.read_text(path)))
+        config = json.loads(storage.read_text(path))
     except json.JSONDecodeError as err:  # truncated (a full disk, an interrupted copy) or edited by hand
         raise ValueError(f"{path} is not valid JSON ({err}): the model of the checkpoints in {workdir} is described "
                          f"only there. Restore {CONFIG_FILE} from a copy of the workdir, or repair it by hand "
                          "(a new workdir's config.json shows the layout)") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        what = (f"a transformers checkpoint's (model_type={config['model_type']!r}: an export, which eval.py reads "
+                "with --hf_checkpoint)" if isinstance(config, dict) and "model_type" in config else
+                "not the one train.py writes (it has no 'model' section)")
+        raise ValueError(f"{path} is {what}: {workdir} is not a training workdir; give the folder a run trained in")
+    return config_dict.ConfigDict(config)
 
 
 # Any other tokenizer would give the checkpoints' token ids other pieces, so the fix for a lost one is this very file.
