@@ -156,6 +156,20 @@ def test_metrics_survive_a_torn_last_line_and_a_hung_tensorboard_close(tmp_path,
     assert metrics_io.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
 
 
+def test_a_damaged_metrics_line_names_the_way_to_resume(tmp_path):
+    """A damaged line before the last blocks resuming (what came after it cannot be trusted), but the refusal gives
+    the command that deletes it, and after it the log reads and the writer resumes."""
+    path = tmp_path / metrics_io.METRICS_FILE
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\x00ss": \n{"step": 3, "loss": 1.5}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON") as refused:
+        metrics_io.MetricsWriter(tmp_path, resume_step=3)
+    command = re.search(r"\((sed -i '2d' \S+) deletes it\)", str(refused.value))[1]
+    subprocess.run(command, shell=True, check=True)
+    writer = metrics_io.MetricsWriter(tmp_path, resume_step=3)
+    writer.close()
+    assert metrics_io.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.5}]
+
+
 class _Payload:
     """Unpickling this runs `open(path, "w")`: a stand-in for malicious code in a pickled checkpoint."""
 

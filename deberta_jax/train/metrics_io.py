@@ -56,7 +56,10 @@ def read_metrics(workdir: str | Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines) - 1:
-                raise ValueError(f"{path} line {i + 1} is not JSON: the file is damaged") from None
+                raise ValueError(
+                    f"{path} line {i + 1} is not JSON: the metrics log is damaged (the checkpoints are not). Delete "
+                    f"that line, or repair it by hand, and run again: the other records are kept, and a resumed run "
+                    f"logs on from its checkpoint (sed -i '{i + 1}d' {path} deletes it)") from None
     return records
 
 
