@@ -290,26 +290,30 @@ def stop_if_sigterm_noticed() -> None:
 
 
 def train_run(command: list[str]) -> tuple[int, bool]:
-    """Runs a train.py `command`; returns its exit status and whether the sweep received SIGTERM meanwhile. The signal
-    is passed on, so the run saves a checkpoint and stops as train.py does on its own (`preemption`), instead of
-    training on after the sweep is gone."""
-    noticed = threading.Event()
+    """Runs a train.py `command`; returns its exit status and whether the sweep received SIGTERM meanwhile. SIGTERM
+    and SIGINT (Ctrl-C, or a kill -INT of the sweep alone) are passed on, so the run stops as train.py does on its
+    own (`preemption` for SIGTERM: a checkpoint first) instead of training on after the sweep is gone; once it has,
+    a SIGINT ends the sweep (KeyboardInterrupt)."""
+    received: list[int] = []
     process = None
 
     def forward(signum, frame):
-        noticed.set()
+        received.append(signum)
         if process is not None:
             process.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         process = subprocess.Popen(command)
-        if noticed.is_set():  # it came while the process was being started
-            process.send_signal(signal.SIGTERM)
+        for signum in received:  # it came while the process was being started
+            process.send_signal(signum)
         status = process.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    return status, noticed.is_set()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if signal.SIGINT in received:
+        raise KeyboardInterrupt
+    return status, signal.SIGTERM in received
 
 
 def next_command(training: Training) -> tuple[list[str] | None, str]:

@@ -2,11 +2,13 @@
 
 import copy
 import json
+import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -372,3 +374,27 @@ def test_the_report_names_the_commit_wherever_it_is_written(tmp_path):
                          check=True).stdout.strip()
     for where in (str(tmp_path / "report"), "results/some-report", "gs://bucket/report"):
         assert sweep.code_version(where).startswith(rev), where
+
+
+def test_a_sigint_to_the_sweep_alone_stops_its_training_child(tmp_path):
+    """kill -INT of the sweep's process (not its group, as Ctrl-C would): the train.py it runs gets the SIGINT too
+    and has stopped before the sweep ends, instead of training on as an orphan."""
+    child = ("import os, signal, sys, time\n"
+             "signal.signal(signal.SIGINT, lambda *_: (open(sys.argv[2], 'w').write('stopped'), sys.exit(130)))\n"
+             "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+             "time.sleep(120)\n")
+    parent = ("import sys\nfrom deberta_jax.study import sweep\n"
+              "try:\n    sweep.train_run([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]])\n"
+              "except KeyboardInterrupt:\n    print('interrupted')\n")
+    started, stopped = tmp_path / "pid", tmp_path / "stopped"
+    process = subprocess.Popen([sys.executable, "-c", parent, child, str(started), str(stopped)],
+                               cwd=REPO,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert out.strip() == "interrupted" and stopped.read_text() == "stopped"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(started.read_text()), 0)
