@@ -327,7 +327,10 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
     last_step = train_cfg.num_steps if stop_at_step is None else min(train_cfg.num_steps, stop_at_step)
     tokens_per_step = train_cfg.batch_size * seq_len
     writer = metrics_io.MetricsWriter(workdir, resume_step=start_step, enabled=is_main)
-    bar = tqdm(total=train_cfg.num_steps, initial=start_step, desc="train", unit="step", disable=not is_main)
+    # Off a terminal (a log file, a job's output) no bar: its carriage-return updates would fill the log, which has
+    # the logged metrics instead.
+    bar = tqdm(total=train_cfg.num_steps, initial=start_step, desc="train", unit="step",
+               disable=None if is_main else True)
     # (step, metrics) not yet logged: a resumed run goes on with the window its checkpoint saved.
     pending: list[tuple[int, dict]] = checkpoint.restore_log_window(origin, start_step) if start_step else []
     record: dict[str, float] = {}

@@ -195,7 +195,11 @@ def feed(inp: Input, num_batches: int) -> dict:
 
 def time_steps(inp: Input, num_steps: int, rounds: int, grain_threads: int, grain_prefetch: int) -> dict:
     """Run in a fresh process: the tiny train step alone, train.py's loop, and the loop fed by Grain."""
-    import grain
+    try:
+        import grain
+    except ImportError:
+        sys.exit("benchmarks/data_pipeline.py compares train.py's loop with one fed by Grain, which the project does "
+                 "not need otherwise: pip install grain (requirements-test.txt has it)")
     import jax
 
     from configs import deberta

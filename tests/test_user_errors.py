@@ -49,6 +49,27 @@ def test_ctrl_c_while_compiling_stops_cleanly(tmp_path):
     assert subprocess.run(run, cwd=REPO, capture_output=True, timeout=300).returncode == 0
 
 
+def test_a_log_off_a_terminal_holds_no_progress_bar_and_no_backend_note(tmp_path):
+    """A run whose output goes to a file: no carriage-return bar updates in its log, and jax's INFO note that an
+    installed backend (libtpu, off a TPU) could not start is dropped, while the run's own lines stay."""
+    run = subprocess.run([sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir",
+                          str(tmp_path / "run"), f"--config.data.train_files={MICRO_TRAIN}",
+                          "--config.data.eval_files=", "--config.train.num_steps=3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stderr and not re.search(r"train: +\d+%", run.stderr)
+    assert "devices over" in run.stderr
+    import logging
+
+    from deberta_jax.data import library_logs
+
+    note = logging.LogRecord("jax._src.xla_bridge", logging.INFO, "/x/jax/_src/xla_bridge.py", 1,
+                             "Unable to initialize backend 'tpu': no TPU", None, None)
+    assert not library_logs.quiet_libraries(note)
+    note.levelno = logging.WARNING
+    assert library_logs.quiet_libraries(note)
+
+
 def test_user_errors_are_one_line_and_their_traceback_is_one_variable_away(tmp_path):
     command = [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", str(tmp_path),
                "--config.model.num_heads=3"]

@@ -24,8 +24,15 @@ EXPECTED_RECORDS = ("did not provide metrics", "Given directory is read only",
 LOOP_CLOSED = "Event loop is closed"
 
 
+# jax's note, at INFO, that a backend it found installed could not start: libtpu (jax[tpu]) on a machine without a
+# TPU, every run. A backend the run asked for that fails is an error of its own.
+BACKEND_NOTE = "Unable to initialize backend"
+
+
 def quiet_libraries(record: pylogging.LogRecord) -> bool:
-    """Drops the INFO records of `QUIET_LIBRARIES`, and their `EXPECTED_RECORDS`."""
+    """Drops the INFO records of `QUIET_LIBRARIES`, and their `EXPECTED_RECORDS`, and jax's `BACKEND_NOTE`."""
+    if record.levelno < pylogging.WARNING and record.getMessage().startswith(BACKEND_NOTE):
+        return False
     if not any(name in record.pathname for name in QUIET_LIBRARIES):
         return True
     return record.levelno >= pylogging.WARNING and not any(w in record.getMessage() for w in EXPECTED_RECORDS)
