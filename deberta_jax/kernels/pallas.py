@@ -67,7 +67,7 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 # accumulators fit a thread block's registers at head sizes up to 128 in the forward, 32 x 32 in the backward
 # passes (whose key pass holds two accumulators); with tile-local terms (`Layout.local`) a tile pair also holds
 # its [T, 2T] products, and the tiles halve. At these NVIDIA's assembler spills no register at DeBERTa-base's shape
-# on Hopper and Ampere (benchmarks/gpu_attention.py --ptxas; results/aot-gpu/kernel-floor.md).
+# on Hopper and Ampere (benchmarks/gpu_attention.py --ptxas; results/aot-gpu/kernel_floor.md).
 TILE, BACKWARD_TILE = 64, 32
 LOCAL_TILE, LOCAL_BACKWARD_TILE = 32, 16
 
