@@ -132,3 +132,18 @@ def test_results_without_1x_or_fixed_targets(tmp_path):
     report.write_results([r for r in rows if r["multiple"] != 1.0], [], str(tmp_path / "no1x"))
     with pytest.raises(ValueError, match="no chunked loss at 1x"):
         compare.chunked_rises(compare.load([str(tmp_path / "no1x")], ["plain"]), None)
+
+
+def test_a_report_written_by_the_study_is_read_seed_by_seed(tmp_path):
+    """`report.write_report` adds each key's mean over seeds as a row of its own (seed "mean"): compare reads the
+    seeds' rows only, so the mean is over the seeds compared, not over the seeds and their own mean."""
+    rows = records("plain", 0, 3.70, {2: 0.1}, {64: 4.0, 128: 4.2}) + records("plain", 1, 3.80, {2: 0.3},
+                                                                            {64: 4.0, 128: 4.4})
+    report.write_report(rows, [], str(tmp_path))
+    assert "mean" in set(report.load_results(tmp_path)["seed"].astype(str))
+    loaded = compare.load([str(tmp_path)], ["plain"])
+    assert sorted(loaded["seed"].unique()) == [0, 1]
+    rises = compare.chunked_rises(loaded, None).xs(("brown/valid", "plain"))
+    assert list(rises.index) == [0, 1, "mean"]
+    assert rises.loc["mean", "rise 2x"] == pytest.approx(0.2)
+    assert compare.fixed_targets(loaded).loc[("brown/valid", "plain"), 128] == pytest.approx(4.3)

@@ -139,6 +139,18 @@ def test_a_smoke_sweep_never_writes_into_committed_results(module, smoke, full):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0, path
 
 
+def test_print_with_seeds_prints_only_those_seeds_runs():
+    """The command line's wiring of --seeds into --mode print: seed 1's commands, every one of them, and no other."""
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep",
+                             "configs/sweeps/natural.py:past-scale", "--mode", "print", "--seeds=1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sweep.planned_runs(natural.get_config("past-scale"))
+    want = [shlex.join(training.command[1:]) for training in sweep.trainings(sweep.of_seeds(runs, ["1"]))]
+    printed = [shlex.join(shlex.split(line)[1:]) for line in result.stdout.splitlines()]
+    assert printed == want and all("-s1" in line for line in printed) and len(printed) < len(runs)
+
+
 def test_printed_commands_run_as_printed_from_the_repository_root():
     result = subprocess.run([sys.executable, "-m", "deberta_jax.study.sweep", "--sweep",
                              "configs/sweeps/ablation.py:smoke", "--mode", "print"],
