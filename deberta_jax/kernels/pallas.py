@@ -398,10 +398,7 @@ def _key_pass_kernel(*refs, lay: Layout, interpreted: bool):
     ins = _with_skews(ins, refs, lay, interpreted)
     skew_grad, = take(refs, lay.skews[1])  # p2c's tile-local gradient
     tile = pl.program_id(2)
-    if grad_ref is not None:
-        _zero_rows(grad_ref, interpreted)
-    if skew_grad is not None:
-        _zero_block(skew_grad, interpreted)
+    _zero_scratch(interpreted, grad_ref, skew_grad)
     local = jnp.arange(t)[None, :]
     k, v = ins.k[_tokens(tile, t), :], ins.v[_tokens(tile, t), :]
 
@@ -440,10 +437,7 @@ def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
     ins = _with_skews(ins, refs, lay, interpreted)
     skew_grad, = take(refs, lay.skews[0])  # c2p's tile-local gradient
     tile = pl.program_id(2)
-    if grad_ref is not None:
-        _zero_rows(grad_ref, interpreted)
-    if skew_grad is not None:
-        _zero_block(skew_grad, interpreted)
+    _zero_scratch(interpreted, grad_ref, skew_grad)
     local = jnp.arange(t)[:, None]
     rows = _tokens(tile, t)
     q, do, lse, delta = ins.q[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
@@ -475,11 +469,17 @@ def _query_pass_kernel(*refs, lay: Layout, interpreted: bool):
         lo_ref[...], hi_ref[...] = lo, hi
 
 
-def _zero_block(scratch, interpreted: bool):
-    """Zero a program's `[T, 2T]` gradient scratch once: every tile pair stores its pairs to the same T columns of
-    each row (`_skew_columns`), so the others stay 0."""
-    scratch[...] = jnp.zeros(scratch.shape, scratch.dtype)
-    _sync(interpreted)
+def _zero_scratch(interpreted: bool, grad_ref, *blocks):
+    """Zero what a backward program accumulates into, where it has it: its rows of a per-distance gradient
+    (`_zero_rows`), and its `[T, 2T]` gradient blocks of tile-local terms, once (every tile pair stores its pairs to
+    the same T columns of each row, `_skew_columns`, so the others stay 0)."""
+    if grad_ref is not None:
+        _zero_rows(grad_ref, interpreted)
+    blocks = [block for block in blocks if block is not None]
+    for block in blocks:
+        block[...] = jnp.zeros(block.shape, block.dtype)
+    if blocks:
+        _sync(interpreted)
 
 
 def _skewed_grad(lay: Layout, refs: _Refs, scratch, g, rows):
@@ -512,9 +512,7 @@ def _table_pass_kernel(*refs, lay: Layout, interpreted: bool):
     key_table_ref, query_table_ref = take(refs, c2p, p2c)
     ins = _with_skews(ins, refs, lay, interpreted)
     c2p_grad, p2c_grad = take(refs, c2p, p2c)
-    for scratch in (c2p_grad, p2c_grad):
-        if scratch is not None:
-            _zero_block(scratch, interpreted)
+    _zero_scratch(interpreted, None, c2p_grad, p2c_grad)
     s, t = lay.shape, lay.shape.tile
     n = s.num_tiles
     diagonal = pl.program_id(2) - (n - 1)
