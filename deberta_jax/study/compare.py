@@ -139,8 +139,7 @@ def plot(fixed: pd.DataFrame, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    with storage.replacing(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+    report.save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -134,8 +134,7 @@ def plot_by_step(lines: dict[str, dict[int, float]], levels: list[tuple[float, s
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with storage.replacing(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    report.save_png(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -17,6 +17,7 @@ In a frame a missing interval (`ci_low`, `ci_high`) is NaN and a missing `offset
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 from absl import app, logging
+from PIL import Image
 from scipy import stats
 
 from deberta_jax import storage
@@ -587,8 +589,7 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_vs_length_{_slug(dataset)}.png")
-        with storage.replacing(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
+        save_png(fig, path, dpi=120)
         plt.close(fig)
         written.append(path)
 
@@ -615,11 +616,26 @@ def plot_all(means: Iterable[dict] | pd.DataFrame, out_dir: str) -> list[str]:
         fig.suptitle(f"Loss by position on {dataset}; dashed line = training length")
         fig.tight_layout()
         path = os.path.join(out_dir, f"loss_by_position_{_slug(dataset)}.png")
-        with storage.replacing(path) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def save_png(fig, path: str, dpi: int) -> None:
+    """`fig` as a PNG at `path` (written whole, `storage.replacing`) in a palette of at most 256 colours: a plot's
+    few line colours and their anti-aliased edges look the same, at about half the bytes of 8-bit RGBA (results/
+    keeps every study's plots)."""
+    rendered = io.BytesIO()
+    fig.savefig(rendered, dpi=dpi, format="png")
+    image = palette(Image.open(rendered))
+    with storage.replacing(path) as tmp:
+        image.save(tmp, format="png", optimize=True)
+
+
+def palette(image: Image.Image) -> Image.Image:
+    """`image` (a rendered plot, opaque) in at most 256 colours."""
+    return image.convert("RGB").quantize(colors=256)
 
 
 def _slug(text: str) -> str:

@@ -243,3 +243,26 @@ def test_plots_of_an_earlier_report_are_removed_and_nothing_else(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         kept + ["results.json.gz", "summary.md"] + [os.path.basename(p) for p in plots])
     assert {os.path.basename(p) for p in plots} == {"loss_vs_length_d.png", "loss_by_position_d.png"}
+
+
+def test_plots_are_saved_in_a_palette_that_keeps_their_colours(tmp_path):
+    """A plot's colours survive the palette, at fewer bytes: 99% of pixels within 16 of 255 levels of the RGBA
+    render (observed 14), the rest anti-aliased edges (observed at most 52)."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for i in range(12):
+        ax.plot(np.arange(10), np.arange(10) * (i + 1), marker="o", label=str(i))
+    ax.legend()
+    rendered = io.BytesIO()
+    fig.savefig(rendered, dpi=100, format="png")
+    report.save_png(fig, str(tmp_path / "plot.png"), dpi=100)
+    plt.close(fig)
+    saved = Image.open(tmp_path / "plot.png")
+    assert saved.mode == "P" and (tmp_path / "plot.png").stat().st_size < len(rendered.getvalue())
+    original = np.asarray(Image.open(rendered).convert("RGB"), np.int32)
+    error = np.abs(np.asarray(saved.convert("RGB"), np.int32) - original).max(axis=-1)
+    assert np.percentile(error, 99) <= 16 and error.max() <= 64
