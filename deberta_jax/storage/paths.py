@@ -309,14 +309,22 @@ def fingerprints(root: PathLike, kind: str | None = None, skip: str = "") -> dic
     return out
 
 
+# Checksums of local files already read by this process, by `identity` (path, size, modification time): a corpus
+# named by every run of a sweep is read once per process, not once per run.
+_LOCAL_CHECKSUMS: dict[tuple, str] = {}
+
+
 def checksum(file: PathLike, kind: str | None = None) -> str:
     """One file's `fingerprints` checksum: what its bytes are, whatever its path or modification time (a copy of the
-    same text, or the same text written again, gives the same value). Reads a local file whole; an object's
-    stored MD5 comes from its metadata."""
+    same text, or the same text written again, gives the same value). Reads a local file whole, once per process
+    while it is unchanged; an object's stored MD5 comes from its metadata."""
     file = path(file)
     kind = kind or ("md5" if is_remote(file) else "sha256")
     if not is_remote(file):
-        return _hash_file(file, kind)
+        key = (*identity(file), kind)
+        if key not in _LOCAL_CHECKSUMS:
+            _LOCAL_CHECKSUMS[key] = _hash_file(file, kind)
+        return _LOCAL_CHECKSUMS[key]
     fs = filesystem(file)
     with reporting(file, "read"):
         info = fs.info(_key(file))

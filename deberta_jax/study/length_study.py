@@ -118,13 +118,15 @@ def _trained(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
     return config_dict.ConfigDict(tree)
 
 
-def config_fingerprint(workdir: str, config: config_dict.ConfigDict | None = None) -> str:
-    """A short hash of what a workdir's run trained (`_trained`, the training text by `packing.source_fingerprint`
-    where it can be read, and the tokenizer): the same for every seed of one model, and another for any other.
-    `config`: another config.json in place of the workdir's (what a sweep would have it train), with its tokenizer."""
+def config_fingerprint(workdir: str, config: config_dict.ConfigDict | None = None, by_content: bool = True) -> str:
+    """A short hash of what a workdir's run trained (`_trained`, the training text by its bytes where it can be read
+    (`packing.source_fingerprint`), and the tokenizer): the same for every seed of one model, and another for any
+    other; a byte-identical copy of the text is the same text. `config`: another config.json in place of the
+    workdir's (what a sweep would have it train), with its tokenizer. `by_content=False`: the text by path, size and
+    modification time, as fingerprints recorded before were made."""
     trained = _trained(config or checkpoint.read_config(workdir)).to_dict()
     try:
-        trained["data"]["train_files"] = packing.source_fingerprint(trained["data"]["train_files"])
+        trained["data"]["train_files"] = packing.source_fingerprint(trained["data"]["train_files"], by_content)
     except OSError:  # the training text is gone; its spec still names it
         pass
     digest = hashlib.sha256(json.dumps(trained, sort_keys=True, default=str).encode())

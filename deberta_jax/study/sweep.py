@@ -231,7 +231,9 @@ def changed_since_trained(run: dict) -> str | None:
                              "training (what its training text held, to compare with the sweep's now). Remove it to "
                              f"compare {run['name']}'s config.json alone, as for a run trained by a printed command, "
                              f"or remove {run['workdir']} to retrain this run") from None
-        if fingerprint != length_study.config_fingerprint(run["workdir"], planned):
+        # A record written before fingerprints were taken by content matches the text by path, size and time.
+        if fingerprint not in (length_study.config_fingerprint(run["workdir"], planned),
+                               length_study.config_fingerprint(run["workdir"], planned, by_content=False)):
             changes = [f"the files config.data.train_files names ({planned.data.train_files}) were rewritten since "
                        "it trained"]
     if not changes:

@@ -214,6 +214,10 @@ def test_a_finished_run_trained_on_another_config_is_refused_naming_what_changed
     assert "config.model.hidden_size 32 vs 48" in refusal(overrides={"model.hidden_size": 48})
     assert "config.data.train_files" in refusal(overrides={
         "data.train_files": str(data / "other/train.txt")})
+    # The same bytes written again (a copy, a re-download, a checkout): the same text, whatever its time stamp.
+    (data / "brown/train.txt").write_bytes((data / "brown/train.txt").read_bytes())
+    os.utime(data / "brown/train.txt", (1, 1))
+    assert sweep.changed_since_trained(run) is None
     (data / "brown/train.txt").write_text((corpus / "train.txt").read_text().replace("the", "a"))
     assert "brown/train.txt) were rewritten since it trained" in refusal()
     (tmp_path / "runs" / run["name"] / sweep.TRAINED_FILE).write_text('{"config_fingerp')
