@@ -39,6 +39,7 @@ from deberta_jax.data import errors, library_logs, packing
 from deberta_jax.data.synthetic import is_synthetic_spec
 from deberta_jax.data.text import is_hf_spec, load_documents
 from deberta_jax.model.config import ABSOLUTE_POSITION_POLICIES, ATTENTION_KERNELS
+from deberta_jax.storage import deadlines
 from deberta_jax.study import length_study, protocols, report
 from deberta_jax.train import checkpoint, sharding
 
@@ -55,6 +56,7 @@ flags.DEFINE_integer("hf_trained_length", None, "The training length (tokens) of
                      "not record theirs (published checkpoints; this project's exports record it): what 1x is. "
                      "Default: each checkpoint's max_position_embeddings; summary.md states the length assumed.",
                      lower_bound=1)
+deadlines.define_flag()
 flags.DEFINE_string("checkpoint", "latest",
                     "Which checkpoint of each workdir: 'latest', 'best' (lowest eval loss) or a step.")
 flags.DEFINE_multi_string("data_files", [], "Eval text: files, local or gs://bucket/... (comma-separated/globs), "
@@ -153,6 +155,7 @@ def _ints(flag: str) -> tuple[int, ...]:
 def main(argv):
     del argv
     library_logs.quiet()
+    deadlines.set_limit(FLAGS.storage_deadline_s, "eval.py", f"--{deadlines.FLAG}")
     sharding.initialize_distributed(FLAGS.multiprocess)
     is_main = jax.process_index() == 0
     if not FLAGS.workdir and not FLAGS.hf_checkpoint:

@@ -57,9 +57,7 @@ config_flags.DEFINE_config_file("config", None, "Experiment config, e.g. configs
 flags.DEFINE_string("workdir", None, "Directory for config, tokenizer, checkpoints and metrics, on a local disk or in "
                     "a bucket (gs://bucket/run); resumed if it has any.")
 flags.DEFINE_bool("multiprocess", False, "Call jax.distributed.initialize() (multi-host runs).")
-flags.DEFINE_float("storage_deadline_s", deadlines.DEFAULT_LIMIT_S, "How long one call to object storage (a "
-                   "checkpoint save, an upload, a lock renewal) may run before the run stops with one line naming it: "
-                   "a store that accepts connections and never answers would otherwise hang it.", lower_bound=1)
+deadlines.define_flag()
 flags.DEFINE_string("branch_from", None, "A workdir whose run differs from this one only in its long phase "
                     "(config.train.long_steps and what goes with it): a new --workdir starts from its newest "
                     "checkpoint before the two could differ instead of from step 0 (deberta_jax.train.branching). "

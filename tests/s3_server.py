@@ -7,6 +7,8 @@ memory; it honours `If-None-Match: *` and `If-Match` on writes and deletes, whic
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -39,6 +41,13 @@ class S3Server:
         """Creates bucket `name`; returns `s3://name`."""
         urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"), timeout=10)
         return f"s3://{name}"
+
+    def pause(self) -> None:
+        """Every request from now on hangs (connections are accepted, nothing comes back), as a stalled store."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

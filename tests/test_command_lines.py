@@ -142,6 +142,9 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
          f"--brown_zip={tmp}/a_file is not a zip file: give NLTK's brown.zip"),
         (SEED_RATE + ["--curves", curves, "--out", f"{tmp}/rate", "--margin=-0.5"], 1, "--margin=-0.5"),
         (SEED_RATE + ["--curves", bad_curves, "--out", f"{tmp}/rate"], 1, "bad-curves.json is not valid JSON"),
+        (EVAL + ["--workdir", workdir, "--data_files", "synthetic:markov:test", "--out", f"{tmp}/out",
+                 "--storage_deadline_s=nan"], 1,
+         "eval.py: --storage_deadline_s=nan: give the seconds one storage call"),
         (TRAIN + CONFIG + ["--workdir", workdir, "--stop_at_step=0"], 1,
          "flag --stop_at_step=0: 0 is not a positive integer"),
         # Values that would plan runs, or write, somewhere else than asked.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import sys
 import threading
@@ -29,10 +30,28 @@ _guard = threading.Lock()
 _watchdog: list[threading.Thread] = []
 
 
+FLAG = "storage_deadline_s"
+
+
+def define_flag() -> None:
+    """The entry points' `--storage_deadline_s` (absl), defined once here: train.py's and eval.py's."""
+    from absl import flags
+
+    flags.DEFINE_float(FLAG, DEFAULT_LIMIT_S, "How long one call to object storage (a checkpoint save or restore, an "
+                       "upload, a read of a corpus or a results file, a lock renewal) may run before the program stops "
+                       "with one line naming it: a store that accepts connections and never answers would otherwise "
+                       "hang it.")
+
+
 def set_limit(limit_s: float, program: str, setting: str) -> None:
     """Every later call may run `limit_s`; the line that ends an overdue one starts with `program` and names
-    `setting`, where the user changes the limit (e.g. a flag)."""
-    _settings.update(limit_s=float(limit_s), program=program, setting=setting)
+    `setting`, where the user changes the limit (e.g. a flag). A limit that is not a number of seconds of at least 1
+    (NaN would switch the deadline off, as no time exceeds it) is refused naming `setting`."""
+    limit_s = float(limit_s)
+    if not (math.isfinite(limit_s) and limit_s >= 1):
+        raise ValueError(f"{setting}={limit_s:g}: give the seconds one storage call may run, at least 1 (a store that "
+                         "stops answering is found after that long)")
+    _settings.update(limit_s=limit_s, program=program, setting=setting)
 
 
 @contextlib.contextmanager

@@ -365,7 +365,30 @@ def reader(source: PathLike) -> io.BufferedReader:
     if not is_remote(source):
         return open(source, "rb")
     with reporting(source, "read"):
-        return io.BufferedReader(filesystem(source).open(_key(source), "rb"))
+        return io.BufferedReader(_WatchedReads(filesystem(source).open(_key(source), "rb"), source))
+
+
+class _WatchedReads(io.RawIOBase):
+    """A remote file whose every read is a call under the storage deadline (`deadline`): a store that stops answering
+    in the middle of a corpus ends the program in one line, as one that stops before it does."""
+
+    def __init__(self, raw, source: AnyPath):
+        super().__init__()
+        self._raw, self._source = raw, source
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        with reporting(self._source, "read"):
+            data = self._raw.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
 
 
 @contextlib.contextmanager

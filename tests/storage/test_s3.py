@@ -79,6 +79,36 @@ def test_s3_files_listings_checksums_and_a_workdirs_records_read_as_locally(s3_b
     assert storage.read_text(f"{s3_bucket}/moved/b.txt") == "b" and not storage.path(f"{s3_bucket}/tree").exists()
 
 
+def test_a_corpus_read_from_a_store_that_stops_answering_ends_in_one_line_past_the_deadline(s3, s3_bucket):
+    """The store stops answering in the middle of a corpus (SIGSTOP of the server, after the reader's first block):
+    the reading process ends within seconds of its 2 s deadline with one line naming the read and the store, instead
+    of waiting on the connection."""
+    corpus = f"{s3_bucket}/corpus.txt"
+    storage.write_text(corpus, "word " * (64 * 2**20 // 5))  # past a block of the client's reads (50 MiB)
+    program = ("import sys\nfrom deberta_jax import storage\nfrom deberta_jax.storage import deadlines\n"
+               "deadlines.set_limit(2, 'reader', '--storage_deadline_s')\n"
+               "with storage.reader(sys.argv[1]) as f:\n    f.read(1)\n    print('reading', flush=True)\n"
+               "    sys.stdin.readline()\n    while f.read(2**20):\n        pass\nprint('read all')\n")
+    reader = subprocess.Popen([sys.executable, "-c", program, corpus], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert reader.stdout.readline().strip() == "reading"
+        s3.pause()
+        started = time.monotonic()
+        reader.stdin.write("go\n")
+        reader.stdin.flush()
+        out, err = reader.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        s3.resume()
+        reader.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert reader.returncode == 1 and "read all" not in out and took < 15, (took, err[-2000:])
+    assert lines == [f"reader: read {corpus} did not finish within 2 s: {s3_bucket} is not answering. Stopped; what "
+                     "was saved before it is intact, so rerun the same command to resume; --storage_deadline_s sets "
+                     "the limit"], err[-2000:]
+
+
 def test_checkpoints_in_s3_are_refused_in_one_line_before_training_or_reading(s3_bucket, tmp_path):
     result = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{s3_bucket}/run",
