@@ -39,6 +39,26 @@ def test_a_long_phase_trains_the_same_tokens_at_its_own_length():
     assert training_cost.run_cost(run).flops == pytest.approx(85 * short + 15 * long)
 
 
+def test_gradient_accumulation_counts_each_micro_batchs_head():
+    """Two micro-batches of 4 rows: the head scores each one's budget (2 x 77 positions, not one budget of 117 for
+    the 8 rows), over the same trained tokens."""
+    run = run_config(**{"train.grad_accum_steps": 2})
+    cost, model = training_cost.run_cost(run), ModelConfig.from_dict(run.model.to_dict())
+    assert 2 * steps.prediction_budget(4 * 32, 0.15) != steps.prediction_budget(8 * 32, 0.15)
+    assert cost.flops == pytest.approx(100 * model_flops(model, 8, 32, 2 * steps.prediction_budget(128, 0.15),
+                                                         train=True))
+    assert cost.tokens == training_cost.run_cost(run_config()).tokens == 100 * 8 * 32
+
+
+def test_a_window_counts_the_keys_it_reaches_and_no_more_than_the_row():
+    """A window longer than the row sees the row's keys, as full attention does; a shorter one fewer."""
+    model = ModelConfig.from_dict(run_config().model.to_dict())
+    full = model_flops(model, 8, 32, 40, train=True)
+    assert model_flops(model.with_options(attention_window=512), 8, 32, 40, train=True) == full
+    narrow = model_flops(model.with_options(attention_window=8), 8, 32, 40, train=True)
+    assert full - narrow == pytest.approx(3 * model.num_layers * 8 * 4 * 32 * (32 - 8) * model.hidden_size)
+
+
 def test_a_missing_workdir_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "deberta_jax.study.training_cost", "--workdir", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
