@@ -195,3 +195,19 @@ def test_curves_and_seed_rate_read_runs_in_a_bucket_and_write_there(local_run, b
     assert sorted(p.name for p in storage.path(f"{bucket}/rate").iterdir()) == ["gap_vs_step.png", "rate.json",
                                                                                  "rate.md"]
     assert storage.read_bytes(f"{bucket}/curves/eval_loss_vs_step.png").startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("upload", [True, False])
+def test_metrics_in_a_bucket_upload_their_last_events_on_close_unless_told_not_to(bucket, upload):
+    """A run that ended on a storage failure closes its metrics with `upload=False`: the TensorBoard events written
+    since the last upload stay local (a call to a failed store would only fail again), while a normal close sends
+    them up."""
+    from deberta_jax.train import metrics_io
+
+    writer = metrics_io.MetricsWriter(f"{bucket}/run", resume_step=0)
+    writer.write(1, {"loss": 2.0})
+    events = f"{bucket}/run/{metrics_io.TENSORBOARD_DIR}"
+    uploaded = storage.fingerprints(events)
+    writer.tensorboard.add_scalar("loss", 1.5, 2)  # written locally, not yet uploaded
+    writer.close(upload=upload)
+    assert (storage.fingerprints(events) != uploaded) == upload
