@@ -279,13 +279,21 @@ def test_the_bucket_lock_refuses_a_second_run_and_is_taken_over_when_its_holder_
     with pytest.raises(workdir_lock.WorkdirBusyError, match="PID 1 on another-vm"):
         with workdir_lock.hold(workdir, stale_after_s=60):
             pass
+    # Its PID means nothing here: one that runs no process on this machine is no sign the holder is gone.
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    lock = f"{workdir}/{workdir_lock.LOCK_FILE}"
+    assert storage.delete_version(lock, storage.read_version(lock).generation)
+    assert storage.create_new(lock, json.dumps(dict(other, pid=ended.pid)).encode())
+    with pytest.raises(workdir_lock.WorkdirBusyError, match=f"PID {ended.pid} on another-vm"):
+        with workdir_lock.hold(workdir, stale_after_s=60):
+            pass
     time.sleep(1.5)
     with workdir_lock.hold(workdir, stale_after_s=1):
         holder = json.loads(storage.read_text(f"{workdir}/{workdir_lock.LOCK_FILE}"))
         assert holder["pid"] == os.getpid()
     assert "another-vm" in caplog.text and "taking it over" in caplog.text
     # A holder whose lock another run took over (it stalled past the staleness limit) stops before its next save.
-    lock = f"{workdir}/{workdir_lock.LOCK_FILE}"
     with workdir_lock.hold(workdir, renew_every_s=0.2) as holding:
         current = storage.read_version(lock)
         assert storage.delete_version(lock, current.generation)
