@@ -329,9 +329,13 @@ def test_a_bucket_lock_held_through_renewals_keeps_a_second_run_out_and_stays_it
 
 def test_a_renewal_that_landed_late_is_recognised_as_the_runs_own(bucket, caplog):
     """A renewal the client gave up on while the store stalled may land afterwards and move the lock's generation,
-    so that the next renewal is refused: the lock still holds this run's nonce, so the run keeps it."""
+    so that the next renewal is refused: the lock still holds this run's nonce (a renewal's copy, not the first
+    write's: every renewal carries it), so the run keeps it."""
     workdir, lock = f"{bucket}/run", f"{bucket}/run/{workdir_lock.LOCK_FILE}"
     with workdir_lock.hold(workdir, renew_every_s=0.2, stale_after_s=5) as holding:
+        first = storage.read_version(lock).generation
+        while storage.read_version(lock).generation == first:  # renewed at least once
+            time.sleep(0.05)
         while True:  # the late copy of a renewal, written between two of the holder's own
             current = storage.read_version(lock)
             if storage.replace_version(lock, current.data, current.generation):
@@ -344,14 +348,14 @@ def test_a_renewal_that_landed_late_is_recognised_as_the_runs_own(bucket, caplog
 
 
 def test_a_holder_whose_renewals_stopped_renews_before_it_writes_and_is_refused_once_taken_over(bucket):
-    """Renewals every 60 s against a staleness limit of 1 s: the lock soon looks dead, as when its holder stalls, and
-    another run takes it over. The holder's next write renews the lock first (its last renewal is past half the
-    limit), learns that, and is refused before anything is written."""
+    """Renewals every 60 s against a staleness limit of 4 s: the lock looks dead long before its next renewal, as
+    when its holder stalls, and another run takes it over. The holder's next write, 2.5 s on (past half the limit,
+    short of all of it), renews the lock first, learns that, and is refused before anything is written."""
     workdir, lock = f"{bucket}/run", f"{bucket}/run/{workdir_lock.LOCK_FILE}"
     metrics = f"{workdir}/{metrics_io.METRICS_FILE}"
-    with workdir_lock.hold(workdir, renew_every_s=60, stale_after_s=1):
+    with workdir_lock.hold(workdir, renew_every_s=60, stale_after_s=4):
         storage.write_text(metrics, "written while held\n")
-        time.sleep(1.5)
+        time.sleep(2.5)
         assert storage.delete_version(lock, storage.read_version(lock).generation)  # the other run's takeover
         assert storage.create_new(lock, json.dumps(dict(pid=1, host="another-vm", since=time.time())).encode())
         with pytest.raises(workdir_lock.WorkdirBusyError, match="it now names PID 1 on another-vm"):
