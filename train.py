@@ -341,6 +341,7 @@ def _train(config: config_dict.ConfigDict, workdir: storage.AnyPath, stop_at_ste
 
     compiled = set()  # the phases whose step shape has been compiled (two when a long phase alternates)
     watch = preemption.Watch()  # from here on, SIGTERM stops the run at a checkpoint instead of killing it
+    logging.info("training steps %d to %d of %d", start_step + 1, last_step, train_cfg.num_steps)
     failed = False
     try:
         for step in range(start_step + 1, last_step + 1):  # `step` counts updates, this one included

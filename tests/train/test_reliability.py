@@ -282,9 +282,9 @@ def test_a_run_stopped_and_preempted_between_records_logs_what_an_uninterrupted_
     with open(log, "w") as f:
         process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
     deadline = time.monotonic() + 240
-    # The progress bar starts just before SIGTERM is handled, and the first step then takes a second or so (data,
+    # The loop's first line comes once SIGTERM is handled, and the first step then takes a second or so (data,
     # compiled programs), so the signal lands well before step 7.
-    while "| 3/8 [" not in log.read_text() and process.poll() is None:
+    while "training steps 4 to 8 of 8" not in log.read_text() and process.poll() is None:
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     time.sleep(0.2)
