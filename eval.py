@@ -135,11 +135,15 @@ def dataset_specs(data_files: list[str]) -> dict[str, str]:
     return specs
 
 
+# Room the report needs at --out, probed before any scoring: a results file and plots take a few MiB.
+REPORT_ROOM = 4 * 2**20
+
+
 def check_writable(out: str) -> None:
     """Fails at start-up, not after the whole evaluation, when --out (a folder or `gs://bucket/...`) cannot be
     written."""
     try:
-        storage.check_writable(out, "--out")
+        storage.check_writable(out, "--out", room=REPORT_ROOM)
     except OSError as err:
         usage_error(str(err))
 

@@ -256,6 +256,10 @@ def trained_rows(tmp, run: str) -> list[tuple]:
         (FULL_DISK + EXPORT + ["--workdir", run, "--out", f"{tmp}/export"], 1,
          f"python -m deberta_jax.export: {tmp}/export: no room to write the export (the disk is full, or a file-size "
          "or quota limit was reached); nothing was written there"),
+        # Found before any scoring, not after it.
+        (FULL_DISK + EVAL + ["--workdir", run, "--out", f"{tmp}/full", *SHORT_EVAL], 1,
+         f"eval.py: --out {tmp}/full has no room for 4,194,304 bytes (the disk is full, or a file-size or quota limit "
+         "was reached)"),
         # Its cached evaluation cut short: evaluated again. The report names the roots in its command.
         (smoke_sweep(tmp) + ["--mode", "report"], 0,
          (f"{run}/length_eval.json is not valid JSON (", "a cached length evaluation, damaged; evaluating the run "

@@ -94,12 +94,12 @@ def export_model(model: MaskedLM, tokenizer: Tokenizer, out: str | os.PathLike) 
 
 @contextlib.contextmanager
 def _reporting_no_room(folder, what: str, other: str):
-    """A write that found no room (`checkpoint.no_room`; safetensors raises its own error type) as one line naming
+    """A write that found no room (`storage.no_room`; safetensors raises its own error type) as one line naming
     `folder`; the partial files are the staging folder's, which the caller removes."""
     try:
         yield
     except Exception as err:  # noqa: BLE001 - kept as it was unless it says there was no room
-        if not checkpoint.no_room(err):
+        if not storage.no_room(err):
             raise
         raise OSError(f"{folder}: no room {what} (the disk is full, or a file-size or quota limit was reached); "
                       f"nothing was written there. Free space on its disk, or {other}") from None

@@ -51,6 +51,7 @@ from deberta_jax.storage.paths import (
     is_remote,
     local_copy,
     move_tree,
+    no_room,
     path,
     read_bytes,
     read_text,
@@ -58,6 +59,7 @@ from deberta_jax.storage.paths import (
     remove_tree,
     replacing,
     reporting,
+    staged,
     tree_bytes,
     upload_tree,
     write_bytes,
@@ -67,5 +69,6 @@ from deberta_jax.storage.paths import (
 __all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "VersionId", "bucket", "check_checkpoints",
            "check_fence", "check_writable", "checksum", "checksum_kind", "create_new", "deadline", "delete_version",
            "fence", "filesystem", "fingerprints", "glob", "identity", "is_remote", "local_copy", "move_tree",
-           "other_version", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree",
-           "replace_version", "replacing", "reporting", "tree_bytes", "upload_tree", "write_bytes", "write_text"]
+           "no_room", "other_version", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree",
+           "replace_version", "replacing", "reporting", "staged", "tree_bytes", "upload_tree", "write_bytes",
+           "write_text"]

@@ -202,6 +202,52 @@ def replacing(target: PathLike) -> Iterator[pathlib.Path]:
             filesystem(target).put_file(os.fspath(local), _key(target))
 
 
+# How a write that found no room reads in tensorstore's errors (ENOSPC, EFBIG, EDQUOT), in safetensors' and in
+# Python's.
+NO_ROOM = ("os_error_code='28'", "os_error_code='27'", "os_error_code='122'", "No space left on device",
+           "File too large", "Disk quota exceeded")
+
+
+def no_room(err: BaseException) -> bool:
+    """Whether `err` is a write that found no room: a full disk, or a file-size or quota limit reached."""
+    return any(code in str(err) for code in NO_ROOM)
+
+
+STAGED = ".staged"  # the name of `staged`'s folder, as a temporary of it (`atomic.temporary`)
+
+
+@contextlib.contextmanager
+def staged(folder: PathLike, what: str, fix: str) -> Iterator[str]:
+    """Yields a folder to write a set of files into; they then replace their namesakes in `folder` together: all of
+    them, or, when a write fails, none (a full disk leaves the previous set whole, not some files of each). Local: a
+    hidden folder inside `folder`, on its disk, from which renames need no room; a write that found no room is one
+    line naming `folder`, `what` was written and the `fix`. In a bucket: a local folder, uploaded file by file once
+    complete (objects are replaced one at a time)."""
+    folder = path(folder)
+    if is_remote(folder):
+        with tempfile.TemporaryDirectory(prefix="deberta-jax-staged-") as staging:
+            yield staging
+            upload_tree(staging, folder)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.remove_abandoned(folder / STAGED)
+    staging = atomic.temporary(folder / STAGED)
+    staging.mkdir()
+    try:
+        try:
+            yield os.fspath(staging)
+        except Exception as err:  # noqa: BLE001 - kept as it was unless it says there was no room
+            if not no_room(err):
+                raise
+            raise OSError(f"{folder}: no room to write {what} (the disk is full, or a file-size or quota limit was "
+                          f"reached); nothing there was replaced. Free space on its disk, or {fix}") from None
+        for file in sorted(staging.iterdir()):
+            atomic.remove_abandoned(folder / file.name)  # what killed writers of these files left
+            os.replace(file, folder / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def upload_tree(local: PathLike, target: PathLike) -> None:
     """Copies the files under local folder `local` to folder `target` (any storage), each written whole."""
     local = pathlib.Path(local)
@@ -262,19 +308,25 @@ def identity(file: PathLike) -> tuple:
     return os.fspath(file), info.get("size"), str(info.get("generation") or info.get("ETag") or info.get("etag"))
 
 
-def check_writable(folder: PathLike, what: str) -> None:
+def check_writable(folder: PathLike, what: str, room: int = 0) -> None:
     """Fails now, naming `folder` and `what` it is for, when a file cannot be written there: a bucket that does
-    not exist or these credentials may not write is found before any compilation, not at the first save."""
+    not exist or these credentials may not write is found before any compilation, not at the first save; with
+    `room` (bytes), a local disk without that much room too (a full disk takes an empty file)."""
     folder = path(folder)
     probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        write_bytes(probe, b"")
+        write_bytes(probe, bytes(room if not is_remote(folder) else 0))
         if is_remote(probe):
             filesystem(probe).rm_file(_key(probe))
         else:
             probe.unlink()
     except OSError as err:
         if not is_remote(folder):
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            if no_room(err):
+                raise OSError(f"{what} {folder} has no room for {room:,} bytes (the disk is full, or a file-size or "
+                              "quota limit was reached); free space there, or pass a folder on another disk") from None
             raise OSError(f"{what} {folder} is not writable ({err.strerror or err}); pass a folder you can write "
                           "to") from None
         reason = "no such bucket" if isinstance(err, FileNotFoundError) else str(err).split("; check")[0]

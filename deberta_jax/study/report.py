@@ -327,11 +327,14 @@ def write_report(records: Iterable[dict] | pd.DataFrame, skipped: Sequence[dict]
         logging.warning("%s", warning)
     # A rebuilt report reads its floor warnings back with the notes: they are drawn anew (in this version's words).
     notes = list(dict.fromkeys([*(note for note in notes if FLOOR_WARNING not in note), *floor]))
-    write_results(pd.concat([frame, means], ignore_index=True), skipped, out_dir, notes)
     summary = markdown_summary(means, skipped, notes, checkpoint_steps(frame), runs=frame)
-    with storage.replacing(os.path.join(out_dir, "summary.md")) as tmp, open(tmp, "w") as f:
-        f.write(summary)
-    plots = plot_all(means, out_dir)
+    # Every output, or none: a disk that fills on the last plot leaves the previous report whole.
+    with storage.staged(out_dir, "the report (results file, summary.md, plots)",
+                        "give another output folder") as staging:
+        write_results(pd.concat([frame, means], ignore_index=True), skipped, staging, notes)
+        with open(os.path.join(staging, "summary.md"), "w") as f:
+            f.write(summary)
+        plots = [os.path.join(out_dir, os.path.basename(p)) for p in plot_all(means, staging)]
     remove_stale_plots(out_dir, plots)
     return means, summary, plots
 

@@ -153,17 +153,6 @@ def verify_files(step_dir: storage.AnyPath) -> None:
                                                         changed and f"files changed since the save {changed[:5]}"])))
 
 
-# How a write that found no room reads in tensorstore's errors (ENOSPC, EFBIG, EDQUOT), in safetensors' and in
-# Python's.
-NO_ROOM = ("os_error_code='28'", "os_error_code='27'", "os_error_code='122'", "No space left on device",
-           "File too large", "Disk quota exceeded")
-
-
-def no_room(err: BaseException) -> bool:
-    """Whether `err` is a write that found no room: a full disk, or a file-size or quota limit reached."""
-    return any(code in str(err) for code in NO_ROOM)
-
-
 LOG_WINDOW = "log_window"
 
 
@@ -185,7 +174,7 @@ def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict |
             manager.save(step, args=args, metrics=metrics)
             manager.wait_until_finished()
     except (ValueError, OSError) as err:  # tensorstore reports a failed write as ValueError, with the errno in text
-        if not no_room(err):
+        if not storage.no_room(err):
             raise
         workdir = storage.path(manager.directory).parent
         raise OSError(f"{workdir}: no room to save the checkpoint of step {step} (the disk is full, or a file-size or "

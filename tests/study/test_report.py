@@ -88,7 +88,21 @@ def test_a_failed_write_keeps_the_previous_report_whole(tmp_path, monkeypatch):
         real_write(self, data[: len(data) // 2])
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(report.gzip.GzipFile, "write", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match=f"{tmp_path}: no room to write the report .* nothing there was replaced"):
+        report.write_report(study_records(np.random.default_rng(1)), [], str(tmp_path))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_disk_that_fills_on_the_last_plot_leaves_every_output_as_it_was(tmp_path, monkeypatch):
+    """The results file and summary.md written, then no room for a plot: none of the new outputs replaces its
+    predecessor (a mixed report would show figures its plots do not)."""
+    report.write_report(study_records(np.random.default_rng(0)), [], str(tmp_path))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def no_room(fig, path, dpi):
+        raise OSError(27, "File too large")
+    monkeypatch.setattr(report, "save_png", no_room)
+    with pytest.raises(OSError, match="no room to write the report"):
         report.write_report(study_records(np.random.default_rng(1)), [], str(tmp_path))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
