@@ -133,6 +133,12 @@ def rows(tmp) -> list[tuple[list[str], int, str | tuple[str, ...]]]:
         (OFFLINE + FETCH + ["--out", f"{tmp}/data"], 1,
          ("python -m deberta_jax.data.fetch: cannot download https://", "brown.zip (", "the network or the host is "
           "unreachable from here); download it where it can be reached and give the file with --brown_zip=")),
+        # A bucket workdir with no network: the bucket, the object and what to check, without the client's traceback.
+        (OFFLINE + EVAL + ["--workdir", "gs://no-network-bucket/run", "--data_files", "synthetic:markov:test",
+                           "--out", f"{tmp}/offline"], 1,
+         ("eval.py: gs://no-network-bucket: cannot read gs://no-network-bucket/run/config.json (",
+          "); check that the bucket exists, that these credentials may read and write it, and that the store is "
+          "reachable")),
         # Brown from a file, and no network for WikiText-2: said within the Hub probe's seconds, not datasets' retries.
         (OFFLINE + FETCH + ["--out", f"{tmp}/from-zip", "--brown_zip", f"{tmp}/brown.zip"], 1,
          ("python -m deberta_jax.data.fetch: cannot download WikiText-2 (", ") from the Hugging Face hub (HEAD "

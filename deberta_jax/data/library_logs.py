@@ -19,7 +19,10 @@ QUIET_LIBRARIES = ("/orbax/", "/gcsfs/", "/fsspec/", "/google/", "/asyncio/")
 # full disk printed some 700 lines of it first): the traceback orbax logs from its writer thread, and the writes it
 # abandoned, which asyncio reports when their futures are collected.
 EXPECTED_RECORDS = ("did not provide metrics", "Given directory is read only",
-                    "_SignalingThread.run() raised an exception", "exception was never retrieved")
+                    "_SignalingThread.run() raised an exception", "exception was never retrieved",
+                    # gcsfs logs, with its traceback, the error it then raises, which the program reports in one line
+                    # (an unreachable store, refused credentials): the traceback would bury that line.
+                    "out of retries on exception", "non-retriable exception")
 
 LOOP_CLOSED = "Event loop is closed"
 

@@ -282,8 +282,11 @@ def write_config(workdir: str | Path, config: config_dict.ConfigDict) -> None:
 
 def read_config(workdir: str | Path) -> config_dict.ConfigDict:
     path = storage.path(workdir) / CONFIG_FILE
-    if not path.is_file():
-        if (storage.path(workdir) / CHECKPOINT_DIR).is_dir():
+    with storage.reporting(path, "read"):  # the first call to a workdir's store: an unreachable one said here
+        found = path.is_file()
+        orphaned = not found and (storage.path(workdir) / CHECKPOINT_DIR).is_dir()
+    if not found:
+        if orphaned:
             raise FileNotFoundError(
                 f"{path} is missing, but {workdir} holds checkpoints: the model they belong to is described only "
                 f"in {CONFIG_FILE}, so neither a resumed train.py nor eval.py can rebuild it. Restore {CONFIG_FILE} "
