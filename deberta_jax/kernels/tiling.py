@@ -104,7 +104,8 @@ class KernelShape:
         t = self.tile
         starts = window_starts(self.length, self.length, self.window)
         ends = starts + self.window - 1  # both nondecreasing in the query
-        first = np.minimum(np.arange(self.num_tiles) * t, self.length - 1)  # a tile of padding only: the last real
+        # A tile of padding only (a backward tile past the last real one) reaches what the last real position does.
+        first = np.minimum(np.arange(self.num_tiles) * t, self.length - 1)
         last = np.minimum(first + t, self.length) - 1
         keys = ends[last] // t - starts[first] // t + 1
         queries = (np.searchsorted(starts, last, side="right") - 1) // t - np.searchsorted(ends, first) // t + 1
