@@ -214,7 +214,7 @@ def time_steps(inp: Input, num_steps: int, rounds: int, grain_threads: int, grai
                                        vocab_size=vocab_size)
     tc = config.train
     schedule = optim.learning_rate_schedule(tc.learning_rate, tc.warmup_steps, tc.num_steps, tc.schedule)
-    optimizer = optim.make_optimizer(tc, schedule)
+    optimizer = optim.make_optimizer(tc, schedule, model_config)
     step_fn = jax.jit(steps.make_train_step(steps.model_graphdef(model_config), optimizer, schedule, seed=0,
                                             grad_accum_steps=tc.grad_accum_steps, mask_prob=config.data.mask_prob),
                       donate_argnums=0)

@@ -125,7 +125,7 @@ def jax_case(cfg: ModelConfig, train_config, mode: str, seq: int, batch: int) ->
     """Compile the jitted train or eval step: (compile time and memory, a function running one step,
     the compiled executable)."""
     schedule = optim.learning_rate_schedule(1e-4, 10, 1000, "linear")
-    optimizer = optim.make_optimizer(train_config, schedule)
+    optimizer = optim.make_optimizer(train_config, schedule, cfg)
     graphdef = steps.model_graphdef(cfg)
     batch_arrays = {k: jnp.asarray(v) for k, v in synthetic_batch(cfg, seq, batch).items()}
     init = steps.make_init_fn(cfg, optimizer, seed=0)

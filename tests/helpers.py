@@ -134,3 +134,15 @@ def run_on_fake_devices(args: list[str], count: int = 8, timeout: int = 600) -> 
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def bias_params(cfg, seed: int = 0) -> dict:
+    """A bias scheme's parameters (`biases.parameters_of(cfg)`) at their initial values moved by a random amount, so
+    that a test does not pass only because the initial values are symmetric or equal across heads."""
+    import jax
+
+    from deberta_jax.model import biases
+    keys = jax.random.split(jax.random.key(seed), 2 * max(len(biases.parameters_of(cfg)), 1))
+    return {name: parameter.init(cfg, keys[2 * i]) + 0.3 * jax.random.normal(keys[2 * i + 1],
+                                                                               parameter.init(cfg, keys[2 * i]).shape)
+            for i, (name, parameter) in enumerate(biases.parameters_of(cfg).items())}

@@ -56,7 +56,10 @@ longest phase's steps with steps on full rows of 64 (`train.long_share=0.5`), so
 length it is scored at most while it sees every key count; `-half2000` does so over the last 2,000 steps, as many
 long steps as the phase it halves. Scalable-Softmax's slope only
 scales a head's scores (its factor grows by log(n) / log(L) whatever it learns), so `-rate-long512-mixed` trains the
-64-512 phase with a temperature whose growth with log(keys) is learned (`attention_temperature="learned_rate"`). Its
+64-512 phase with a temperature whose growth with log(keys) is learned (`attention_temperature="learned_rate"`).
+`-kerple` adds KERPLE's learned log-distance decay to DeBERTa's scores (`score_bias="kerple_log"`, two rates per
+head: `-r1 log(1 + r2 |i - j|)`) and trains on rows of 64 only, at the plain model's cost per token: instead of
+training on more keys, it down-weights the far ones at every length. Its
 runs share runs/natural with `:far`, whose `deberta-emd` and
 `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is the same recipes
 at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of 512, 1,024 or
@@ -129,7 +132,9 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     scoring reaches; the longest phase with every other step on full rows of L (`-half`), and over twice the steps
     so that it keeps the longest phase's number of long steps (`-half<2N>`); and the learned rate
     (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
-    with the key count where the slope cannot."""
+    with the key count where the slope cannot; and KERPLE's learned log-distance decay added to DeBERTa's scores
+    (`-kerple`, `score_bias="kerple_log"`) on rows of L only, which down-weights far keys without a cut-off instead of
+    training on them."""
     def long(multiple, share=1.0, phase=steps // 10, **data):
         train = dict(long_steps=phase, **({"long_share": share} if share != 1 else {}))
         return dict(train=train, data=dict(long_seq_len=multiple * seq_len, **data))
@@ -148,7 +153,8 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
                              **long(reach, share=0.5, phase=steps // 5, min_row_length=seq_len), **_LEARNED,
                              **_room_for(reach * seq_len)),
             variants.variant(f"deberta-emd-rate-long{8 * seq_len}-mixed", variants.DEBERTA,
-                             **long(8, min_row_length=seq_len), **_RATE, **_room_for(8 * seq_len))]
+                             **long(8, min_row_length=seq_len), **_RATE, **_room_for(8 * seq_len)),
+            variants.variant("deberta-emd-kerple", variants.DEBERTA, score_bias="kerple_log")]
 
 
 def _room_for(length: int) -> dict:

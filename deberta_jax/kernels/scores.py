@@ -5,7 +5,9 @@
   - `c2p` `[B, H, Nq, R]` (`q_i . Kr[r]`) and `p2c` `[B, H, Nk, R]` (`k_j . Qr[r]`): DeBERTa's content-to-position
     and position-to-content products with the R reachable rows of the relative table, and `relative`, the row
     for each distance `i - j` (a static `RelativeIndex`);
-  - `bias` `[H, Nq + Nk - 1]`: an additive bias per distance (ALiBi, T5);
+  - `bias` `[H, Nq + Nk - 1]`: an additive bias per distance (a bias scheme's, `model.biases`), or
+    `[B, H, Nq + Nk - 1]` with a row axis (a bias that depends on the row); the dense and blockwise kernels take
+    either, the fused kernels one per head and distance;
   - `temperature` `[B, 1 or H, Nq, 1]`: a factor per query (and head, when learned) on its whole score row
     (length-aware attention), and `window`: how many positions around each query it may attend to (0: all; see
     `window_starts`), besides the `global_keys` `[B, 1, Nk]` (bool, or None) every query sees.

@@ -146,7 +146,7 @@ class KernelShape:
 def kernel_shape(terms: ScoreTerms, kernel: str, tile: int, dropout_rate: float, dropout_key) -> KernelShape:
     """The plan of one fused call of `kernel` ("pallas", "pallas_tpu") on `terms`, without end terms (each kernel
     decides which index it saturates on); refuses what neither fused kernel takes: DeBERTa's products instead of its
-    tables, more keys than queries."""
+    tables, more keys than queries, a bias with a row axis."""
     if terms.c2p is not None or terms.p2c is not None:
         raise ValueError(f"attention_kernel={kernel!r} takes DeBERTa's projected tables (ScoreTerms.pos_key / "
                          "pos_query), not the c2p/p2c products; use attention_kernel='dense' or 'blockwise' with them")
@@ -154,6 +154,9 @@ def kernel_shape(terms: ScoreTerms, kernel: str, tile: int, dropout_rate: float,
     if terms.k.shape[-2] != length:
         raise ValueError(f"attention_kernel={kernel!r} is self-attention: {length} queries but {terms.k.shape[-2]} "
                          "keys")
+    if terms.bias is not None and terms.bias.ndim != 2:
+        raise ValueError(f"attention_kernel={kernel!r} takes one bias per head and distance ([H, 2N - 1]), not one "
+                         f"per row (shape {terms.bias.shape}); use attention_kernel='dense' or 'blockwise'")
     relative = terms.relative is not None
     dropout = dropout_key is not None and dropout_rate > 0
     return KernelShape(length, tile, terms.divisor, relative and terms.pos_key is not None,

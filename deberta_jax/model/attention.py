@@ -5,7 +5,7 @@ context vector, `deberta_jax.kernels`): `SelfAttention` projects queries, keys a
 variant's `ScoreTerms` (the formula itself, c2c + c2p + p2c + bias, is written once in
 `deberta_jax.kernels.scores`) and hands them to the configured kernel. DeBERTa adds its content-to-position
 and position-to-content products with the relative table (`relative_products`); RoPE rotates q and k
-(`positions.apply_rope`); ALiBi and T5 add a per-distance bias.
+(`positions.apply_rope`); a bias scheme (`model.biases`: ALiBi, T5, KERPLE) adds a per-distance bias.
 
 Layout: queries/keys/values are `[B, H, N, d]`; projected relative tables are `[H, R, d]` where R is
 the number of relative-table rows this sequence length can reach (see `PositionContext`).
@@ -25,7 +25,7 @@ from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms
 from deberta_jax.model import positions
 from deberta_jax.model.config import LEARNED_TEMPERATURES, ModelConfig
 from deberta_jax.model.dropout import Dropout
-from deberta_jax.model.parameters import dense
+from deberta_jax.model.parameters import UNDECAYED, dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,9 @@ class PositionContext:
     - `position_ids` `[1 or B, N]`: token positions, read by absolute embeddings and RoPE; `0..N-1`
       (numpy), or sampled per sequence when `sampled` (randomized positions in training), in which
       case a learned table reads those rows directly instead of applying the out-of-range policy;
-    - `bias` `[H, 2N - 1]`: score bias added by ALiBi and T5 per distance `i - j`
-      (`kernels.scores.distances`), else None; `bias_index`: T5's bucket per distance (its bias is trainable);
+    - `bias` `[H, 2N - 1]` (or `[B, H, 2N - 1]`, `biases.BiasScheme.per_row`): the bias scheme's score bias per
+      distance `i - j` (`kernels.scores.distances`), else None; `bias_index`: its bucket per distance, for a
+      bias read from a table by bucket (T5's);
     - `temperature` `[B, 1, N, 1]`: the factor on each query's scores (`ModelConfig.attention_temperature`
       "log_length"), else None; `log_keys` `[B, 1, N, 1]`: the log of the keys each query sees, which a learned
       temperature scales by its per-head slope (else None);
@@ -100,9 +101,9 @@ class SelfAttention(nnx.Module):
         self.pos_dropout = Dropout(cfg.hidden_dropout)
         # A learned temperature's parameter per head (`positions.learned_temperature`), starting where the fixed
         # log-length temperature is: a factor of 1 on rows of L keys, log(n) / log(L) on rows of n.
-        self.temperature_slope = nnx.Param(jnp.full((cfg.num_heads,), 1 / np.log(cfg.effective_trained_length),
-                                                    jnp.float32)) if cfg.attention_temperature in LEARNED_TEMPERATURES \
-            else None
+        self.temperature_slope = nnx.Param(
+            jnp.full((cfg.num_heads,), 1 / np.log(cfg.effective_trained_length), jnp.float32), **UNDECAYED,
+        ) if cfg.attention_temperature in LEARNED_TEMPERATURES else None
 
     def _relative_projections(self, ctx: PositionContext, rngs):
         """Project the reachable relative rows into per-head position queries/keys `[H, R, d]`."""

@@ -12,11 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from deberta_jax.kernels.dispatch import KERNELS
+from deberta_jax.model.biases import SCHEMES
 
-ATTENTION_VARIANTS = ("entangled", "disentangled", "rope", "alibi", "t5_bias")
-# The variants that add a bias per distance to the scores.
-BIAS_VARIANTS = ("alibi", "t5_bias")
+# The variants with their own score terms; every registered bias scheme (`biases.SCHEMES`) is one more variant, the
+# dot product plus that bias, and a `score_bias` that another variant's scores can add (read when validating, so a
+# scheme registered later counts).
+OWN_VARIANTS = ("entangled", "disentangled", "rope")
 ATTENTION_KERNELS = KERNELS
+# The kernels that fuse both passes: one bias per head and distance, no row axis (`biases.BiasScheme.per_row`).
+FUSED_KERNELS = ("pallas", "pallas_tpu")
 ABSOLUTE_EMBEDDINGS = ("learned", "sinusoidal")
 POS_ATT_TYPES = ("c2p", "p2c")
 NORM_REL_EBD = ("none", "layer_norm")
@@ -68,11 +72,14 @@ class ModelConfig:
       - "disentangled": DeBERTa's content-to-content plus the relative terms listed in `pos_att_type`;
       - "rope": the dot product of queries and keys rotated by their positions (Su et al.), base
         `rope_theta`;
-      - "alibi": dot product plus `-m_h * |i - j|`, ALiBi made symmetric for a bidirectional encoder
-        (Press et al. 2022), with the paper's geometric head slopes; no parameters;
-      - "t5_bias": dot product plus a learned per-head bias for T5's bidirectional log buckets of
-        `i - j` (`t5_num_buckets`, `t5_max_distance`; Raffel et al.), one table shared by all layers.
-    Every variant can be combined with absolute positions at the input (`position_biased_input`).
+      - a registered bias scheme (`deberta_jax.model.biases.SCHEMES`, listed in docs/models.md): the dot product
+        plus the scheme's bias per distance, e.g. "alibi" (`-m_h * |i - j|`, ALiBi made symmetric for a
+        bidirectional encoder, Press et al. 2022), "t5_bias" (a learned per-head bias for T5's bidirectional log
+        buckets of `i - j`, `t5_num_buckets`, `t5_max_distance`; Raffel et al.; one table shared by all layers) or
+        "kerple_log" (KERPLE's `-r1_h * log(1 + r2_h * |i - j|)`, Chi et al. 2022).
+    Every variant can be combined with absolute positions at the input (`position_biased_input`), and every variant
+    that is not itself a bias scheme with one bias scheme added to its scores (`score_bias`, "none" by default):
+    DeBERTa with KERPLE's log decay is `attention="disentangled", score_bias="kerple_log"`.
 
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
@@ -156,7 +163,7 @@ class ModelConfig:
     RoPE: when the model is called with `rngs` (training), each sequence's N positions are an ordered
     random sample of `range(random_position_max)` drawn from the `dropout` stream (so a run resumed
     with the same keys draws the same positions); without `rngs` (evaluation) they are `0..N-1`. The
-    relative schemes (disentangled, ALiBi, T5) always see true distances. Since training then reaches
+    relative schemes (disentangled, the bias schemes) always see true distances. Since training then reaches
     every row below `random_position_max`, that, not `trained_length`, is where the absolute policy
     starts (`trained_positions`).
     """
@@ -188,6 +195,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
+    score_bias: str = "none"
 
     pos_att_type: tuple[str, ...] = ("c2p", "p2c")
     position_buckets: int = 256
@@ -239,6 +247,19 @@ class ModelConfig:
     @property
     def effective_trained_length(self) -> int:
         return self.trained_length if self.trained_length is not None else self.max_position_embeddings
+
+    @property
+    def bias_scheme(self) -> str | None:
+        """The registered bias scheme the scores add (`biases.SCHEMES`): the variant's own or `score_bias`."""
+        if self.attention in SCHEMES:
+            return self.attention
+        return None if self.score_bias == "none" else self.score_bias
+
+    @property
+    def uses_distances(self) -> bool:
+        """Relative distances enter the scores (DeBERTa's terms, RoPE's angles, a bias): what
+        `relative_position_policy` scales."""
+        return self.attention != "entangled" or self.bias_scheme is not None
 
     @property
     def trained_positions(self) -> int:
@@ -307,15 +328,27 @@ class ModelConfig:
 
     def _validate_attention(self) -> None:
         """The attention variant, its kernel and each variant's own knobs."""
-        if self.attention not in ATTENTION_VARIANTS:
-            _fail("attention", self.attention, f"choose one of {ATTENTION_VARIANTS}")
+        if self.attention not in (*OWN_VARIANTS, *SCHEMES):
+            _fail("attention", self.attention, f"choose one of {(*OWN_VARIANTS, *SCHEMES)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             _fail("attention_kernel", self.attention_kernel, f"choose one of {ATTENTION_KERNELS}")
+        if self.score_bias != "none" and self.score_bias not in SCHEMES:
+            _fail("score_bias", self.score_bias, f"choose 'none' or one of {tuple(SCHEMES)}")
+        if self.attention in SCHEMES and self.score_bias != "none":
+            _fail("score_bias", self.score_bias,
+                  f"attention={self.attention!r} already adds its own bias; set score_bias='none', or add "
+                  f"{self.score_bias!r} to attention='entangled' (the same dot product)")
         if self.attention_kernel == "cudnn" and (self.attention not in ("entangled", "rope") or self.attention_window
-                                                 or self.attention_temperature != "none"):
+                                                 or self.attention_temperature != "none"
+                                                 or self.bias_scheme is not None):
             _fail("attention_kernel", self.attention_kernel,
                   f"scores queries against keys only (BERT, NoPE, RoPE), without a window or temperature, but "
-                  f"attention={self.attention!r}; use 'pallas' on GPUs, or 'dense' or 'blockwise'")
+                  f"attention={self.attention!r} with score_bias={self.score_bias!r}; use 'pallas' on GPUs, or "
+                  "'dense' or 'blockwise'")
+        if self.attention_kernel in FUSED_KERNELS and self.bias_scheme and SCHEMES[self.bias_scheme].per_row:
+            _fail("attention_kernel", self.attention_kernel,
+                  f"carries one bias per head and distance, and the bias scheme {self.bias_scheme!r} has one per row "
+                  "(BiasScheme.per_row); use attention_kernel='dense' or 'blockwise'")
         if self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size,
                   "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")
@@ -327,7 +360,7 @@ class ModelConfig:
                       "change num_heads or hidden_size")
             if not self.rope_theta > 0:
                 _fail("rope_theta", self.rope_theta, "must be > 0 (10000 in Su et al.)")
-        if self.attention == "t5_bias":
+        if self.bias_scheme == "t5_bias":
             if self.t5_num_buckets < 4 or self.t5_num_buckets % 2:
                 _fail("t5_num_buckets", self.t5_num_buckets,
                       "must be an even integer >= 4 (half the buckets per direction; T5 uses 32)")
@@ -412,7 +445,7 @@ class ModelConfig:
         if self.relative_position_policy not in RELATIVE_POSITION_POLICIES:
             _fail("relative_position_policy", self.relative_position_policy,
                   f"choose one of {RELATIVE_POSITION_POLICIES}")
-        if self.relative_position_policy == "interpolate" and self.attention == "entangled":
+        if self.relative_position_policy == "interpolate" and not self.uses_distances:
             _fail("relative_position_policy", self.relative_position_policy,
                   "scales relative distances, and attention='entangled' has none; for a learned absolute table "
                   "use absolute_position_policy='interpolate'")

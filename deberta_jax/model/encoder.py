@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 
 from deberta_jax.kernels.scores import RelativeIndex
-from deberta_jax.model import positions
+from deberta_jax.model import biases, positions
 from deberta_jax.model.attention import PositionContext, SelfAttention
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.dropout import Dropout
-from deberta_jax.model.parameters import dense, layer_norm, table
+from deberta_jax.model.parameters import UNDECAYED, dense, layer_norm, table
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -115,7 +115,8 @@ class EncoderLayer(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """The layer stack and the position tables its layers share: DeBERTa's relative table, T5's bias."""
+    """The layer stack and the position parameters its layers share: DeBERTa's relative table, a bias scheme's
+    parameters (`biases.SCHEMES`, as attributes under their registered names)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -123,12 +124,8 @@ class Encoder(nnx.Module):
         relative = cfg.attention == "disentangled"
         self.rel_embeddings = table(cfg, 2 * cfg.relative_span, rngs) if relative else None
         self.rel_norm = layer_norm(cfg, rngs) if relative and cfg.norm_rel_ebd == "layer_norm" else None
-        if cfg.attention == "t5_bias":
-            init = nnx.initializers.normal(cfg.initializer_range)
-            shape = (cfg.t5_num_buckets, cfg.num_heads)
-            self.relative_attention_bias = nnx.Param(init(rngs.params(), shape, jnp.float32))
-        else:
-            self.relative_attention_bias = None
+        for name, parameter in biases.parameters_of(cfg).items():
+            setattr(self, name, nnx.Param(parameter.init(cfg, rngs.params()), weight_decay=parameter.weight_decay))
 
     def position_context(self, batch: int, seq_len: int, rngs=None, key_mask=None) -> PositionContext:
         """Positions, score bias, reachable relative rows and attention temperature for a `[batch, seq_len]`
@@ -144,14 +141,15 @@ class Encoder(nnx.Module):
             ids = positions.random_positions(rngs.dropout(), batch, seq_len, cfg.random_position_max)
         else:
             ids = np.arange(seq_len, dtype=np.int32)[None]
+        mask = np.ones((batch, seq_len), np.int32) if key_mask is None else key_mask
         bias = bias_index = rel_embeddings = relative = None
-        if cfg.attention == "alibi":
-            bias = positions.alibi_bias(seq_len, seq_len, cfg.num_heads, scale)
-        elif cfg.attention == "t5_bias":
-            bias = positions.t5_bias(self.relative_attention_bias[...], seq_len, seq_len, cfg.t5_max_distance, scale)
-            bias_index = RelativeIndex(positions.t5_distance_buckets(seq_len, seq_len, cfg.t5_num_buckets,
-                                                                     cfg.t5_max_distance, scale))
-        elif cfg.attention == "disentangled":
+        if cfg.bias_scheme:
+            scheme = biases.SCHEMES[cfg.bias_scheme]
+            bias = scheme.bias({name: getattr(self, name)[...] for name in scheme.parameters}, cfg, seq_len, scale,
+                               mask)
+            if scheme.buckets is not None:
+                bias_index = RelativeIndex(scheme.buckets(cfg, seq_len, scale))
+        if cfg.attention == "disentangled":
             kw = dict(position_buckets=cfg.position_buckets, max_relative_positions=cfg.max_relative_positions,
                       clamp=cfg.clamp_relative_positions, scale=scale)
             lo, hi = positions.relative_rows_used(seq_len, seq_len, **kw)
@@ -160,7 +158,6 @@ class Encoder(nnx.Module):
                 # Row-wise, so normalizing a slice equals slicing the normalized table.
                 rel_embeddings = self.rel_norm(rel_embeddings)
             relative = RelativeIndex(positions.relative_index_by_distance(seq_len, seq_len, **kw) - lo)
-        mask = np.ones((batch, seq_len), np.int32) if key_mask is None else key_mask
         ends = positions.global_keys(mask) if cfg.window_global_tokens else None
         temperature = log_keys = None
         if cfg.attention_temperature != "none":
@@ -217,7 +214,7 @@ class MaskedLM(nnx.Module):
         # Pre-LN leaves the residual stream unnormalized; this norm closes it (None for post-LN).
         self.final_norm = layer_norm(cfg, rngs) if cfg.layer_norm_placement == "pre" else None
         self.head_norm = layer_norm(cfg, rngs)
-        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32))
+        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), jnp.float32), **UNDECAYED)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, *, rngs=None) -> jax.Array:
         """Final hidden states `[B, N, hidden]` (float32) that the MLM head reads."""

@@ -3,7 +3,7 @@ costs per token (`study.training_cost`). Matmuls only, counted from the config, 
 
 from __future__ import annotations
 
-from deberta_jax.model import positions
+from deberta_jax.model import biases, positions
 from deberta_jax.model.config import ModelConfig
 
 
@@ -15,7 +15,9 @@ def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, tr
     (`4NKh` for the K keys each query sees: N, or `attention_window` of them, the pairs a windowed kernel computes),
     and for DeBERTa each position term's product with the R reachable relative rows (`2NRh`) plus the projection
     of those rows (`2Rh^2`, once per call). EMD runs the last layer `emd_layers` times instead
-    of once. The head: dense transform and tied decoder at the predicted positions (`2P(h^2 + hV)`).
+    of once. The head: dense transform and tied decoder at the predicted positions (`2P(h^2 + hV)`). A bias scheme
+    adds what its entry declares (`biases.BiasScheme.flops`, once per forward pass): nothing for an elementwise
+    bias (ALiBi, T5, KERPLE).
     """
     h, n = cfg.hidden_size, seq_len
     layers = cfg.num_layers - 1 + cfg.emd_layers if cfg.use_emd else cfg.num_layers
@@ -28,4 +30,6 @@ def model_flops(cfg: ModelConfig, rows: int, seq_len: int, predicted: int, *, tr
         terms = len(cfg.pos_att_type)
         per_layer += terms * (rows * 2 * n * (hi - lo) * h + 2 * (hi - lo) * h * h)
     forward = layers * per_layer + 2 * predicted * (h * h + h * cfg.vocab_size)
+    if cfg.bias_scheme:
+        forward += biases.SCHEMES[cfg.bias_scheme].flops(cfg, n)
     return 3 * forward if train else forward

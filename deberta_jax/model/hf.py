@@ -359,6 +359,8 @@ def _refusals(cfg: ModelConfig) -> list[str]:
     checks = (
         ("attention", cfg.attention not in ("entangled", "disentangled"),
          "transformers' BERT and DeBERTa-v2 have only entangled (BERT) and disentangled (DeBERTa) attention"),
+        ("score_bias", cfg.score_bias != "none",
+         "transformers' BERT and DeBERTa-v2 add no bias per distance to their attention scores"),
         ("use_emd", cfg.use_emd, ("the enhanced mask decoder exists only in the official DeBERTa code; "
                                   "DebertaV2ForMaskedLM predicts from the last layer")),
         ("absolute_embedding", cfg.uses_absolute_positions and cfg.absolute_embedding == "sinusoidal",

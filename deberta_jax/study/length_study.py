@@ -49,7 +49,7 @@ LENGTH_METHODS = {
     # The same window, and every query also sees its row's [CLS] and closing [SEP] (local-global attention).
     "window_global": lambda cfg: dict(attention_window=cfg.effective_trained_length, window_global_tokens=True),
     # Distances times L / N: a longer sequence spans the trained distances (absolute tables have their policies).
-    "interpolate_distances": lambda cfg: None if cfg.attention == "entangled" else dict(
+    "interpolate_distances": lambda cfg: None if not cfg.uses_distances else dict(
         relative_position_policy="interpolate"),
 }
 DEFAULT_MULTIPLES = (1, 2, 4, 8)

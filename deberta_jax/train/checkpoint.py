@@ -194,8 +194,8 @@ def _all_finite(tree) -> jax.Array:
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainState) -> TrainState:
     """Restores a full train state onto the shardings given in `abstract_state` (ShapeDtypeStructs),
     after checking the files against their digests; non-finite values raise DamagedCheckpointError."""
-    verify_files(_step_dir(manager, step))
-    with storage.deadline(_step_dir(manager, step), "restore the checkpoint"):
+    with storage.deadline(_step_dir(manager, step), "restore the checkpoint"):  # the digest check's reads too
+        verify_files(_step_dir(manager, step))
         restored = manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_state.params),
             opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))

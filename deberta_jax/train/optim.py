@@ -1,19 +1,23 @@
-"""The optimizer: AdamW with warmup and decay, gradient clipping, and a path-based weight-decay mask."""
+"""The optimizer: AdamW with warmup and decay, gradient clipping, and weight decay where each parameter declares it.
+
+Every parameter says whether it is decayed (`weight_decay` metadata on its `nnx.Param`, set where it is built:
+`model.parameters`, a bias scheme's `biases.Parameter`). As published, only the kernels of dense layers are. Not
+decayed: biases and LayerNorm scales/offsets (as in BERT and DeBERTa); embedding tables (word, absolute and
+relative position, token type), since decoupled decay shrinks every row at every step while a rare token's row is
+updated only when it occurs, and rows that training never reaches (absolute positions past seq_len, which
+length-extrapolation evaluation reads) would drift toward zero; temperatures and a bias scheme's rates, which decay
+would pull toward a value nobody chose. A parameter that declares nothing is refused by name rather than guessed.
+"""
 
 from __future__ import annotations
 
-import jax
 import optax
+from flax import nnx
+
+from deberta_jax.model.config import ModelConfig
+from deberta_jax.model.encoder import MaskedLM
 
 SCHEDULES = ("linear", "cosine")
-
-# Weight decay applies to the kernels of dense layers only. Not decayed:
-#   - biases and LayerNorm scales/offsets (as in BERT and DeBERTa);
-#   - embedding tables (word, absolute and relative position, token type). Decoupled decay shrinks
-#     every row at every step while a rare token's row is updated only when it occurs, and rows
-#     that training never reaches (absolute positions past seq_len, which length-extrapolation
-#     evaluation reads) would drift toward zero; undecayed, they stay exactly as initialized.
-DECAYED_LEAF_NAMES = ("kernel",)
 
 
 def learning_rate_schedule(peak: float, warmup_steps: int, num_steps: int, schedule: str) -> optax.Schedule:
@@ -34,15 +38,24 @@ def learning_rate_schedule(peak: float, warmup_steps: int, num_steps: int, sched
     return optax.join_schedules([warmup, decay], boundaries=[warmup_steps])
 
 
-def weight_decay_mask(params):
-    """True for the leaves that get weight decay, decided from each leaf's path in the parameter tree."""
-    def decayed(path, _):
-        return getattr(path[-1], "key", None) in DECAYED_LEAF_NAMES
-    return jax.tree_util.tree_map_with_path(decayed, params)
+def weight_decay_mask(model_config: ModelConfig) -> dict:
+    """The parameter tree of `model_config`'s model (`nnx.to_pure_dict` layout, as the train state keeps it) with
+    True where a parameter declares `weight_decay=True` (`declared_decay`)."""
+    return declared_decay(nnx.state(nnx.eval_shape(lambda: MaskedLM(model_config, rngs=nnx.Rngs(params=0)))))
 
 
-def make_optimizer(train_config, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with decoupled weight decay on the masked leaves."""
+def declared_decay(state: nnx.State) -> dict:
+    """Each variable's declared `weight_decay` as a pure dict; raises naming every variable that declares none."""
+    undeclared = [".".join(map(str, path)) for path, variable in nnx.to_flat_state(state)
+                  if not isinstance(variable.get_metadata().get("weight_decay"), bool)]
+    if undeclared:
+        raise ValueError(f"parameter(s) {undeclared} declare no weight decay: build each with "
+                         "nnx.Param(..., weight_decay=True or False) (nnx.Linear: kernel_metadata / bias_metadata)")
+    return nnx.to_pure_dict(nnx.map_state(lambda _, variable: variable.get_metadata()["weight_decay"], state))
+
+
+def make_optimizer(train_config, schedule: optax.Schedule, model_config: ModelConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with decoupled weight decay on the parameters that declare it."""
     return optax.chain(
         optax.clip_by_global_norm(train_config.grad_clip_norm),
         optax.adamw(
@@ -51,6 +64,6 @@ def make_optimizer(train_config, schedule: optax.Schedule) -> optax.GradientTran
             b2=train_config.b2,
             eps=train_config.eps,
             weight_decay=train_config.weight_decay,
-            mask=weight_decay_mask,
+            mask=weight_decay_mask(model_config),
         ),
     )

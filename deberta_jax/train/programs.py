@@ -56,7 +56,7 @@ def build(config: config_dict.ConfigDict, model_config: ModelConfig, mesh: Mesh)
     train_cfg = config.train
     schedule = optim.learning_rate_schedule(train_cfg.learning_rate, train_cfg.warmup_steps,
                                             train_cfg.num_steps, train_cfg.schedule)
-    optimizer = optim.make_optimizer(train_cfg, schedule)
+    optimizer = optim.make_optimizer(train_cfg, schedule, model_config)
     graphdef = steps.model_graphdef(model_config)
     init_fn = steps.make_init_fn(model_config, optimizer, config.seed)
     abstract_state = jax.eval_shape(init_fn)

@@ -200,6 +200,8 @@ def test_an_unfinished_run_is_exported_with_a_note_saying_so(tmp_path, tokenizer
     (dict(attention="rope"), "attention"),
     (dict(attention="alibi"), "attention"),
     (dict(attention="t5_bias"), "attention"),
+    (dict(attention="kerple_log"), "attention"),
+    (dict(score_bias="kerple_log"), "score_bias"),
     (dict(use_emd=True), "use_emd"),
     (dict(position_biased_input=True, absolute_embedding="sinusoidal"), "absolute_embedding"),
     (dict(attention="entangled", position_biased_input=True, randomized_positions=True), "randomized_positions"),

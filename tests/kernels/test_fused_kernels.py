@@ -21,8 +21,9 @@ from deberta_jax.kernels.pallas import Launches, pallas_attention
 from deberta_jax.kernels.pallas_tpu import expand_tables, pallas_tpu_attention
 from deberta_jax.kernels.scores import RelativeIndex, ScoreTerms, distances, in_window, saturation, window_starts
 from deberta_jax.kernels.tiling import KernelShape
-from deberta_jax.model import positions
+from deberta_jax.model import biases, positions
 from deberta_jax.model.config import ModelConfig
+from tests.helpers import bias_params
 from tests.kernels.test_kernels import outputs_and_grads
 
 B, H, D, R = 2, 2, 8, 12
@@ -127,8 +128,9 @@ def test_refuses_what_it_does_not_implement(kernel):
 
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_config_accepts_every_scheme_and_length_method_with_a_fused_kernel(name):
-    for attention in ("alibi", "t5_bias"):
-        ModelConfig(attention=attention, attention_kernel=name)
+    for scheme in biases.SCHEMES:
+        ModelConfig(attention=scheme, attention_kernel=name)
+        ModelConfig(attention="disentangled", score_bias=scheme, attention_kernel=name)
     ModelConfig(attention_kernel=name, attention_window=16, attention_temperature="log_length", trained_length=16)
     ModelConfig(attention_kernel=name, attention_window=16, window_global_tokens=True)
 
@@ -137,6 +139,7 @@ def test_config_accepts_every_scheme_and_length_method_with_a_fused_kernel(name)
 @pytest.mark.parametrize("attention,options", [
     ("disentangled", dict(attention_temperature="log_length")),
     ("t5_bias", dict(attention_temperature="learned")),
+    ("disentangled", dict(score_bias="kerple_log")),
     ("disentangled", dict(window_global_tokens=True)),
 ])
 def test_model_with_a_fused_kernel_equals_the_dense_one(name, attention, options):
@@ -346,15 +349,28 @@ def test_gpu_backward_in_smaller_tiles_than_its_forward(window):
     check_every_option(functools.partial(pallas_attention, tile=16, launches=launches), window)
 
 
-def test_alibi_bias_equals_the_dense_kernel(kernel):
-    """ALiBi's bias per distance, without position terms, 37 positions in tiles of 16 (padding, the last tile
-    ragged): outputs and the gradients of queries, keys, values and the bias array (observed ~3e-7)."""
-    terms, v, key_mask = table_inputs((), 0)
-    terms = dataclasses.replace(terms, bias=positions.alibi_bias(37, 37, H))
-    got = outputs_and_grads(fused(kernel, tile=16), terms, v, key_mask)
-    want = outputs_and_grads(jax.jit(dense_attention), terms, v, key_mask)
-    assert got[1][0].bias.shape == (H, 2 * 37 - 1)
-    assert max_error(got, want) < 2e-6
+@pytest.mark.parametrize("scheme", sorted(biases.SCHEMES))
+@pytest.mark.parametrize("terms_on", [(), ("c2p", "p2c")])
+def test_every_bias_scheme_equals_the_dense_kernel(kernel, scheme, terms_on):
+    """Every registered bias scheme, alone and added to DeBERTa's two terms, 37 positions in tiles of 16 (padding,
+    the last tile ragged): outputs and the gradients of queries, keys, values and the scheme's parameters (through
+    the bias per distance) agree (observed ~1e-6)."""
+    terms, v, key_mask = table_inputs(terms_on, R // 2 if terms_on else 0)
+    cfg = ModelConfig(attention=scheme, num_heads=H, hidden_size=H * D, t5_num_buckets=8, t5_max_distance=20)
+    params = bias_params(cfg, seed=2)
+
+    cotangent = jnp.asarray(np.random.default_rng(9).normal(size=v.shape), jnp.float32)
+
+    def grads(kernel):
+        def loss(params, terms, v):
+            bias = biases.SCHEMES[scheme].bias(params, cfg, 37, 1.0, key_mask)
+            out = kernel(dataclasses.replace(terms, bias=bias), v, key_mask)
+            return jnp.sum(out * cotangent), out
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, terms, v)
+    got, want = grads(fused(kernel, tile=16)), grads(jax.jit(dense_attention))
+    assert max_error(got, want) < 1e-5
+    for name, value in want[1][0].items():  # a parameter that learns gets a gradient the kernel must carry
+        assert float(jnp.max(jnp.abs(value))) > 1e-4, name
 
 
 def test_t5_table_gradient_with_every_option(kernel):

@@ -22,9 +22,10 @@ from deberta_jax.kernels.scores import (
     skew,
     toeplitz,
 )
-from deberta_jax.model import positions
+from deberta_jax.model import biases, positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
+from tests.helpers import bias_params
 
 B, H, N, D, R = 2, 2, 37, 8, 12  # N is not a multiple of the block sizes below
 
@@ -38,10 +39,10 @@ def variant_inputs(variant, seed=0, n=N, d=D):
         rel_index = positions.relative_index_by_distance(n, n, position_buckets=R // 2, max_relative_positions=16)
         terms = dataclasses.replace(terms, c2p=normal(B, H, n, R), relative=RelativeIndex(rel_index),
                                     p2c=normal(B, H, n, R) if variant == "disentangled" else None)
-    elif variant == "alibi":
-        terms = dataclasses.replace(terms, bias=positions.alibi_bias(n, n, H))
-    elif variant == "t5_bias":
-        terms = dataclasses.replace(terms, bias=positions.t5_bias(normal(8, H), n, n, 20))
+    elif variant in biases.SCHEMES:
+        cfg = ModelConfig(attention=variant, num_heads=H, hidden_size=H * d, t5_num_buckets=8, t5_max_distance=20)
+        bias = biases.SCHEMES[variant].bias(bias_params(cfg, seed), cfg, n, 1.0, np.ones((B, n)))
+        terms = dataclasses.replace(terms, bias=bias)
     key_mask = np.ones((B, n), np.int32)
     key_mask[1, 29:] = 0
     return terms, normal(B, H, n, d), jnp.asarray(key_mask)
@@ -63,7 +64,7 @@ def assert_trees_close(a, b, atol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
 
 
-VARIANTS = ["entangled", "disentangled", "c2p_only", "alibi", "t5_bias"]
+VARIANTS = ["entangled", "disentangled", "c2p_only", *biases.SCHEMES]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

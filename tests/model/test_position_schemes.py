@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from deberta_jax.kernels.scores import ScoreTerms, toeplitz
-from deberta_jax.model import positions
+from deberta_jax.model import biases, positions
 from deberta_jax.model.config import ConfigError, ModelConfig
 from deberta_jax.model.encoder import MaskedLM
-from tests.helpers import assert_padding_invariant
+from tests.helpers import assert_padding_invariant, bias_params
 
 TRAIN_LEN = 16
 BASE = dict(vocab_size=60, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
@@ -25,8 +25,10 @@ SCHEMES = {
     "nope": dict(BASE),
     "sinusoidal": dict(BASE, position_biased_input=True, absolute_embedding="sinusoidal"),
     "rope": dict(BASE, attention="rope"),
-    "alibi": dict(BASE, attention="alibi"),
-    "t5_bias": dict(BASE, attention="t5_bias", t5_num_buckets=8, t5_max_distance=20),
+    # Every registered bias scheme alone, and one added to DeBERTa's terms.
+    **{name: dict(BASE, attention=name, t5_num_buckets=8, t5_max_distance=20) for name in biases.SCHEMES},
+    "deberta_kerple_log": dict(BASE, attention="disentangled", score_bias="kerple_log", position_buckets=8,
+                               max_relative_positions=16),
     "learned_randomized": dict(BASE, position_biased_input=True, randomized_positions=True, random_position_max=32,
                                absolute_position_policy="clip"),
     "sinusoidal_randomized": dict(BASE, position_biased_input=True, absolute_embedding="sinusoidal",
@@ -126,15 +128,14 @@ def _scores(variant, q, k):
     if variant == "rope":
         pos = np.arange(n)
         terms = ScoreTerms(q=positions.apply_rope(q, pos, 10000.0), k=positions.apply_rope(k, pos, 10000.0), key_len=n)
-    elif variant == "alibi":
-        terms = ScoreTerms(q=q, k=k, bias=positions.alibi_bias(n, n, h), key_len=n)
     else:
-        table = jnp.asarray(np.random.default_rng(1).normal(size=(8, h)), jnp.float32)
-        terms = ScoreTerms(q=q, k=k, bias=positions.t5_bias(table, n, n, 20), key_len=n)
+        cfg = ModelConfig(**dict(SCHEMES[variant], num_heads=h, hidden_size=h * q.shape[-1]))
+        bias = biases.SCHEMES[variant].bias(bias_params(cfg, seed=1), cfg, n, 1.0, np.ones((1, n)))
+        terms = ScoreTerms(q=q, k=k, bias=bias, key_len=n)
     return terms.scores(np.arange(n))
 
 
-@pytest.mark.parametrize("variant", ["rope", "alibi", "t5_bias"])
+@pytest.mark.parametrize("variant", ["rope", *biases.SCHEMES])
 def test_relative_scores_depend_only_on_distance(variant):
     # Shift the same tokens right by s positions (s new tokens in front): their scores must not change.
     rng = np.random.default_rng(0)
@@ -168,8 +169,8 @@ def test_training_gradients_are_finite(name):
 
     grads = nnx.state(nnx.jit(nnx.grad(loss))(model), nnx.Param)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    if name == "t5_bias":  # the shared bias table is trained
-        assert float(jnp.abs(grads["encoder"]["relative_attention_bias"][...]).max()) > 0
+    for parameter in biases.parameters_of(model.cfg):  # a bias scheme's shared parameters are trained
+        assert float(jnp.abs(grads["encoder"][parameter][...]).max()) > 0, parameter
 
 
 def test_sinusoidal_has_no_table_and_ignores_the_policy():

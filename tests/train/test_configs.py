@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from configs import bert, common, deberta
-from deberta_jax.model.config import ConfigError
+from deberta_jax.model import biases
+from deberta_jax.model.config import OWN_VARIANTS, ConfigError
 from deberta_jax.train.config_checks import resolved, validate
 from tests.helpers import REPO, variant_config
 
@@ -188,11 +189,13 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                 "past": ["deberta-emd-long256", "deberta-emd-learned-long256", "deberta-emd-learned-mixed16",
                          "deberta-emd-learned-long256-mixed", "deberta-emd-learned-long512-mixed",
                          "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
-                         "deberta-emd-learned-long2048-mixed-half2000", "deberta-emd-rate-long512-mixed"],
+                         "deberta-emd-learned-long2048-mixed-half2000", "deberta-emd-rate-long512-mixed",
+                             "deberta-emd-kerple"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
                                "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
-                               "deberta-emd-learned-long2048-mixed-half1000", "deberta-emd-rate-long1024-mixed"],
+                               "deberta-emd-learned-long2048-mixed-half1000", "deberta-emd-rate-long1024-mixed",
+                                   "deberta-emd-kerple"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -207,11 +210,13 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         assert sorted(lengths.values()) == sorted([(steps, 4 * n, 0, n), (steps, 4 * n, 0, n), (0, 0, n // 4, n),
                                                    (steps, 4 * n, n, n), (steps, 8 * n, n, n),
                                                    (steps, reach * n, n, n), (steps, reach * n, n, n),
-                                                   (2 * steps, reach * n, n, n), (steps, 8 * n, n, n)])
+                                                   (2 * steps, reach * n, n, n), (steps, 8 * n, n, n),
+                                                   (0, 0, 0, n)])
         half = f"deberta-emd-learned-long{reach * n}-mixed-half"  # every other step of the longest phase on L
         assert shares.pop(half) == shares.pop(f"{half}{2 * steps}") == 0.5 and set(shares.values()) == {1.0}
         assert lengths[half] == lengths[f"deberta-emd-learned-long{reach * n}-mixed"]
         assert resolved[f"deberta-emd-rate-long{8 * n}-mixed"].model.attention_temperature == "learned_rate"
+        assert resolved["deberta-emd-kerple"].model.score_bias == "kerple_log"  # rows of L only, as the baseline
         # Relative models train on rows of at most max_position_embeddings: the longest phase needs room.
         assert resolved[f"deberta-emd-learned-long{reach * n}-mixed"].model.max_position_embeddings == reach * n
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
@@ -281,7 +286,7 @@ def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
                 scored = model.with_options(**options)
                 assert scored.attention_kernel == "pallas_tpu", (label, variant.name, method)
                 methods_seen.add(method)
-    assert seen == {"disentangled", "entangled", "rope", "alibi", "t5_bias"}
+    assert seen >= set(OWN_VARIANTS) and seen - set(OWN_VARIANTS) <= set(biases.SCHEMES)
     assert methods_seen == {"log_length", "window", "window_global", "interpolate_distances"}
 
 

@@ -24,7 +24,7 @@ config = deberta.get_config("micro")
 config.model.hidden_dropout = config.model.attention_dropout = 0.0
 model_config = ModelConfig.from_dict(dict(config.model.to_dict(), trained_length=32))
 schedule = optim.learning_rate_schedule(1e-3, 2, 10, "linear")
-optimizer = optim.make_optimizer(config.train, schedule)
+optimizer = optim.make_optimizer(config.train, schedule, model_config)
 init = steps.make_init_fn(model_config, optimizer, seed=0)
 step = steps.make_train_step(steps.model_graphdef(model_config), optimizer, schedule, seed=0,
                                  grad_accum_steps=2, mask_prob=0.15)

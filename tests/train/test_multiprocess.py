@@ -273,3 +273,31 @@ def test_multiprocess_without_the_runs_processes_is_one_line(environment, messag
                             env=dict(env, JAX_PLATFORMS="cpu", **environment), timeout=240)
     lines = [line for line in result.stderr.splitlines() if line.strip() and "shows where it was raised" not in line]
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith(message), result.stderr
+
+
+PEER_THAT_ENDED = """
+import sys, time
+import jax
+from deberta_jax.train import peers, sharding
+
+sharding.initialize_distributed(True)
+if jax.process_index() == 1:
+    with peers.Watch("peer", sys.argv[1]):
+        pass  # ends through Python at once: records ended/1, then its heartbeat stops
+    print("ended", flush=True)
+    time.sleep(peers.PEER_TIMEOUT_S + 8 * peers.BEAT_S)  # silent, and still in the job
+else:
+    with peers.Watch("peer", sys.argv[1]):
+        time.sleep(peers.PEER_TIMEOUT_S + 5 * peers.BEAT_S)  # watching it past the limit of silence
+    print("survived", flush=True)
+"""
+
+
+def test_a_peer_that_recorded_its_end_and_went_silent_does_not_end_the_run(tmp_path):
+    """Process 1 leaves its watch through Python (done, or stopped by an error of its own) and stays silent for
+    longer than `peers.PEER_TIMEOUT_S`: that silence is no death, so process 0 keeps watching to its own end."""
+    script = tmp_path / "peer.py"
+    script.write_text(PEER_THAT_ENDED)
+    texts = launch(str(script), [str(tmp_path / "run")], tmp_path)
+    assert "ended" in texts[1] and "survived" in texts[0], texts
+    assert "stopped responding" not in texts[0], texts[0][-3000:]

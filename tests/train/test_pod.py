@@ -475,3 +475,52 @@ def test_a_store_that_stops_answering_ends_the_run_in_one_line_and_the_same_comm
     rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert resumed_step(rerun.stderr) >= 2 and max(committed_steps(workdir)) == 12
+
+
+RESTORER = """
+import sys
+import jax.numpy as jnp
+from deberta_jax.storage import deadlines
+from deberta_jax.train import checkpoint, steps
+
+manager = checkpoint.checkpoint_manager(sys.argv[1], read_only=True)
+target = steps.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(3)}, opt_state={"m": jnp.zeros(3)})
+deadlines.set_limit(2, "restorer", "")
+print("ready", flush=True)
+sys.stdin.readline()
+checkpoint.restore(manager, 1, target)
+print("restored", flush=True)
+"""
+
+
+def test_a_restore_from_a_store_that_stops_answering_ends_in_one_line(bucket, gcs, tmp_path):
+    """A checkpoint is restored under the storage deadline, its digest check included: the store paused (SIGSTOP)
+    just before, the restoring process ends within seconds with the line naming the restore, not the hang."""
+    import jax.numpy as jnp
+
+    from deberta_jax.train import steps
+    workdir = f"{bucket}/run"
+    state = steps.TrainState(step=jnp.asarray(1), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
+    manager = checkpoint.checkpoint_manager(workdir)
+    checkpoint.save(manager, state)
+    manager.close()
+    script = tmp_path / "restorer.py"
+    script.write_text(RESTORER)
+    restorer = subprocess.Popen([sys.executable, str(script), workdir], cwd=REPO, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+    try:
+        assert restorer.stdout.readline().strip() == "ready", restorer.stderr.read()[-3000:]
+        gcs.pause()
+        paused = time.monotonic()
+        restorer.stdin.write("go\n")
+        restorer.stdin.flush()
+        out, err = restorer.communicate(timeout=60)
+        ended_after = time.monotonic() - paused
+    finally:
+        gcs.resume()
+        restorer.kill()
+    assert restorer.returncode == 1 and "restored" not in out, err[-3000:]
+    assert re.search(rf"restorer: restore the checkpoint {workdir}/checkpoints/1 did not finish within 2 s: {bucket} "
+                     "is not answering", err), err[-3000:]
+    assert ended_after < 15, ended_after

@@ -128,7 +128,7 @@ def train_state_fn(workdir):
     model = ModelConfig.from_dict(config.model.to_dict())
     t = config.train
     schedule = optim.learning_rate_schedule(t.learning_rate, t.warmup_steps, t.num_steps, t.schedule)
-    return steps.make_init_fn(model, optim.make_optimizer(t, schedule), config.seed)
+    return steps.make_init_fn(model, optim.make_optimizer(t, schedule, model), config.seed)
 
 
 @pytest.mark.slow

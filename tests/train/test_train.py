@@ -19,11 +19,12 @@ from flax import nnx
 
 import train
 from configs import deberta
+from deberta_jax import storage
 from deberta_jax.data import batches, packing
 from deberta_jax.data.text import load_documents
 from deberta_jax.data.tokenizer import SpecialIds
 from deberta_jax.model.config import ConfigError, ModelConfig
-from deberta_jax.train import branching, checkpoint, metrics_io, optim, steps
+from deberta_jax.train import branching, checkpoint, metrics_io, optim, steps, workdir_lock
 from tests.helpers import run_on_fake_devices, write_brown_slices
 
 pytestmark = pytest.mark.slow  # every test trains or reloads micro runs
@@ -316,7 +317,7 @@ def masked_batch(batch_size=8, seq_len=16, mask_prob=0.3):
 
 def test_gradient_accumulation_equals_one_big_batch():
     schedule = optim.learning_rate_schedule(1e-3, 0, 10, "linear")
-    optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule)
+    optimizer = optim.make_optimizer(deberta.get_config("micro").train, schedule, SMALL_MODEL)
     state = jax.jit(steps.make_init_fn(SMALL_MODEL, optimizer, seed=0))()
     batch = masked_batch()
 
@@ -367,7 +368,7 @@ def test_weight_decay_only_on_dense_kernels():
     cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                       position_buckets=8, max_relative_positions=16, max_position_embeddings=32, use_emd=True)
     params = steps.init_params(cfg, seed=0)
-    decay_mask = optim.weight_decay_mask(params)
+    decay_mask = optim.weight_decay_mask(cfg)
     decayed = {jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_leaves_with_path(decay_mask) if d}
     assert decayed and all(path.endswith("['kernel']") for path in decayed)
     for table in ("['embeddings']['word_embeddings']", "['embeddings']['position_embeddings']",
@@ -376,7 +377,7 @@ def test_weight_decay_only_on_dense_kernels():
         assert table not in decayed
     assert "['encoder']['layers'][0]['attention']['query_proj']['kernel']" in decayed
     # With zero gradients only decay moves parameters: kernels shrink, everything else stays.
-    optimizer = optax.adamw(1.0, weight_decay=0.5, mask=optim.weight_decay_mask)
+    optimizer = optax.adamw(1.0, weight_decay=0.5, mask=decay_mask)
     updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
     moved = {jax.tree_util.keystr(p) for p, u in jax.tree_util.tree_leaves_with_path(updates) if np.any(u != 0)}
     assert moved == {p for p in decayed if np.any(_leaf(params, p) != 0)}
@@ -390,7 +391,7 @@ def test_the_optimizer_train_py_builds_decays_only_dense_kernels():
     params = steps.init_params(cfg, seed=0)
     train_config = deberta.get_config("micro").train
     assert train_config.weight_decay > 0
-    optimizer = optim.make_optimizer(train_config, optax.constant_schedule(1.0))
+    optimizer = optim.make_optimizer(train_config, optax.constant_schedule(1.0), cfg)
     updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
     for path, update in jax.tree_util.tree_leaves_with_path(updates):
         kernel = jax.tree_util.keystr(path).endswith("['kernel']")
@@ -410,6 +411,22 @@ def test_checkpoints_keep_the_latest_and_the_best(tmp_path):
         checkpoint.save(manager, state.replace(step=jnp.asarray(step)), metrics)
     assert manager.all_steps() == [2, 5, 6]
     assert manager.best_step() == 2
+
+
+def test_a_run_fenced_out_of_its_workdir_saves_nothing(tmp_path):
+    """A run whose workdir fence refuses (its lock taken over) is stopped before orbax writes the step, not only
+    before the digest: orbax writes by itself, past the storage writers that ask the fence."""
+    state = steps.TrainState(step=jnp.asarray(3), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
+    manager = checkpoint.checkpoint_manager(tmp_path)
+
+    def taken_over():
+        raise workdir_lock.WorkdirBusyError("taken over by another run")
+    with storage.fence(tmp_path, taken_over), pytest.raises(workdir_lock.WorkdirBusyError):
+        checkpoint.save(manager, state)
+    manager.close()
+    written = [p.name for p in (tmp_path / checkpoint.CHECKPOINT_DIR).glob("*")] \
+        if (tmp_path / checkpoint.CHECKPOINT_DIR).exists() else []
+    assert not [name for name in written if "3" in name], written
 
 
 def test_metrics_writer_drops_lines_past_the_resumed_step(tmp_path):
