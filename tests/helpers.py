@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -146,3 +147,22 @@ def bias_params(cfg, seed: int = 0) -> dict:
     return {name: parameter.init(cfg, keys[2 * i]) + 0.3 * jax.random.normal(keys[2 * i + 1],
                                                                                parameter.init(cfg, keys[2 * i]).shape)
             for i, (name, parameter) in enumerate(biases.parameters_of(cfg).items())}
+
+
+def run_with_store_paused(process: subprocess.Popen, store, ready: str) -> tuple[str, str, float]:
+    """Waits for `process` (text pipes on stdin, stdout, stderr) to print `ready`, pauses `store` (a server fixture
+    with `pause`/`resume`) and lets the process go on (a line on stdin): the store stops answering mid-call. Returns
+    its stdout, its stderr and the seconds it took to end after the pause; the store is resumed and the process
+    killed whatever happens."""
+    try:
+        line = process.stdout.readline().strip()
+        assert line == ready, (line, process.stderr.read()[-3000:] if process.poll() is not None else "")
+        store.pause()
+        paused = time.monotonic()
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        out, err = process.communicate(timeout=60)
+        return out, err, time.monotonic() - paused
+    finally:
+        store.resume()
+        process.kill()

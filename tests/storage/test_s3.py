@@ -14,7 +14,7 @@ import pytest
 from deberta_jax import storage
 from deberta_jax.storage import paths
 from deberta_jax.train import checkpoint, metrics_io, workdir_lock
-from tests.helpers import REPO
+from tests.helpers import REPO, run_with_store_paused
 
 
 def test_the_s3_lock_refuses_a_second_run_renews_keeps_its_own_late_write_and_is_taken_over_when_stale(s3_bucket,
@@ -91,17 +91,7 @@ def test_a_corpus_read_from_a_store_that_stops_answering_ends_in_one_line_past_t
                "    sys.stdin.readline()\n    while f.read(2**20):\n        pass\nprint('read all')\n")
     reader = subprocess.Popen([sys.executable, "-c", program, corpus], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        assert reader.stdout.readline().strip() == "reading"
-        s3.pause()
-        started = time.monotonic()
-        reader.stdin.write("go\n")
-        reader.stdin.flush()
-        out, err = reader.communicate(timeout=60)
-        took = time.monotonic() - started
-    finally:
-        s3.resume()
-        reader.kill()
+    out, err, took = run_with_store_paused(reader, s3, "reading")
     lines = [line for line in err.splitlines() if line.strip()]
     assert reader.returncode == 1 and "read all" not in out and took < 15, (took, err[-2000:])
     assert lines == [f"reader: read {corpus} did not finish within 2 s: {s3_bucket} is not answering. Stopped; what "

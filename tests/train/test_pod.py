@@ -22,7 +22,7 @@ import train
 from configs import deberta
 from deberta_jax import storage
 from deberta_jax.train import checkpoint, metrics_io, workdir_lock
-from tests.helpers import REPO, overrides, write_brown_slices
+from tests.helpers import REPO, overrides, run_with_store_paused, write_brown_slices
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -509,17 +509,7 @@ def test_a_restore_from_a_store_that_stops_answering_ends_in_one_line(bucket, gc
     restorer = subprocess.Popen([sys.executable, str(script), workdir], cwd=REPO, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
-    try:
-        assert restorer.stdout.readline().strip() == "ready", restorer.stderr.read()[-3000:]
-        gcs.pause()
-        paused = time.monotonic()
-        restorer.stdin.write("go\n")
-        restorer.stdin.flush()
-        out, err = restorer.communicate(timeout=60)
-        ended_after = time.monotonic() - paused
-    finally:
-        gcs.resume()
-        restorer.kill()
+    out, err, ended_after = run_with_store_paused(restorer, gcs, "ready")
     assert restorer.returncode == 1 and "restored" not in out, err[-3000:]
     assert re.search(rf"restorer: restore the checkpoint {workdir}/checkpoints/1 did not finish within 2 s: {bucket} "
                      "is not answering", err), err[-3000:]
