@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,9 @@ import numpy as np
 from deberta_jax.kernels.scores import distances
 from deberta_jax.model import positions
 
-if TYPE_CHECKING:
-    from deberta_jax.model.config import ModelConfig
+# A `model.config.ModelConfig`, which validates names against `SCHEMES`: importing it here, even for types only, would
+# make the two modules import each other.
+ModelConfig = Any
 
 
 @dataclasses.dataclass(frozen=True)
