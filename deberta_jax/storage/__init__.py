@@ -37,12 +37,12 @@ from deberta_jax.storage.paths import (
     PathLike,
     StorageError,
     bucket,
-    check_checkpoints,
     check_fence,
     check_writable,
     checksum,
     checksum_kind,
     deadline,
+    download_tree,
     fence,
     filesystem,
     fingerprints,
@@ -52,6 +52,7 @@ from deberta_jax.storage.paths import (
     local_copy,
     move_tree,
     no_room,
+    orbax_writes,
     path,
     read_bytes,
     read_text,
@@ -66,9 +67,9 @@ from deberta_jax.storage.paths import (
     write_text,
 )
 
-__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "VersionId", "bucket", "check_checkpoints",
-           "check_fence", "check_writable", "checksum", "checksum_kind", "create_new", "deadline", "delete_version",
+__all__ = ["SCHEMES", "AnyPath", "PathLike", "StorageError", "Version", "VersionId", "bucket", "check_fence",
+           "check_writable", "checksum", "checksum_kind", "create_new", "deadline", "delete_version", "download_tree",
            "fence", "filesystem", "fingerprints", "glob", "identity", "is_remote", "local_copy", "move_tree",
-           "no_room", "other_version", "path", "read_bytes", "read_text", "read_version", "reader", "remove_tree",
-           "replace_version", "replacing", "reporting", "staged", "tree_bytes", "upload_tree", "write_bytes",
-           "write_text"]
+           "no_room", "orbax_writes", "other_version", "path", "read_bytes", "read_text", "read_version", "reader",
+           "remove_tree", "replace_version", "replacing", "reporting", "staged", "tree_bytes", "upload_tree",
+           "write_bytes", "write_text"]

@@ -25,10 +25,10 @@ from deberta_jax.storage import atomic, deadlines
 # Object stores the project knows how to address, each with the library fsspec serves it through.
 _LIBRARIES = {"gs": "gcsfs", "s3": "s3fs"}
 SCHEMES = tuple(_LIBRARIES)
-# Stores orbax keeps checkpoints in: orbax 0.12 gives tensorstore (which writes the arrays) a bucket spec for gs://
-# only, and takes any other URL for a local path ("Checkpoint path should be absolute. Got s3:/bucket/..."). A scheme
-# belongs here once orbax addresses it.
-_CHECKPOINT_SCHEMES = ("gs",)
+# Stores orbax writes checkpoints to by itself: orbax 0.12 gives tensorstore (which writes the arrays) a bucket spec
+# for gs:// only, and takes any other URL for a local path ("Checkpoint path should be absolute. Got s3:/bucket/...").
+# Checkpoints for the other stores are written on a local disk and published (`deberta_jax.train.staged_checkpoints`).
+_ORBAX_SCHEMES = ("gs",)
 # Listings cached by gcsfs / s3fs would hide what other hosts wrote since; every listing asks the store.
 for _protocol in ("gs", "gcs", "s3"):
     fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
@@ -74,13 +74,11 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def check_checkpoints(folder: PathLike, what: str) -> None:
-    """Fails now, in one line naming `folder` and `what` it is for, when orbax cannot keep checkpoints in its store
-    (`_CHECKPOINT_SCHEMES`), before a run trains for nothing or a reader meets orbax's own error."""
+def orbax_writes(folder: PathLike) -> bool:
+    """Whether orbax can write checkpoints into `folder` itself (a local disk, gs://), rather than through a local
+    stage that is then published there (s3://)."""
     text = os.fspath(folder)
-    if is_remote(text) and text.split("://", 1)[0] not in _CHECKPOINT_SCHEMES:
-        raise StorageError(f"{what} {text}: orbax cannot keep checkpoints in {bucket(text)} (it writes them to a local "
-                           "disk or to gs:// only); keep the workdir on a local disk, a shared filesystem or in gs://")
+    return not is_remote(text) or text.split("://", 1)[0] in _ORBAX_SCHEMES
 
 
 def bucket(value: PathLike) -> str:
@@ -248,12 +246,14 @@ def staged(folder: PathLike, what: str, fix: str) -> Iterator[str]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def upload_tree(local: PathLike, target: PathLike) -> None:
-    """Copies the files under local folder `local` to folder `target` (any storage), each written whole."""
+def upload_tree(local: PathLike, target: PathLike, skip: Callable[[str], bool] = lambda relative: False) -> None:
+    """Copies the files under local folder `local` to folder `target` (any storage), each written whole, in the order
+    of their relative POSIX paths, all but those `skip` names."""
     local = pathlib.Path(local)
     for file in sorted(p for p in local.rglob("*") if p.is_file()):
         relative = file.relative_to(local).as_posix()
-        write_bytes(path(target) / relative, file.read_bytes())
+        if not skip(relative):
+            write_bytes(path(target) / relative, file.read_bytes())
 
 
 def remove_tree(target: PathLike) -> None:
@@ -446,26 +446,40 @@ class _WatchedReads(io.RawIOBase):
 @contextlib.contextmanager
 def local_copy(folder: PathLike) -> Iterator[pathlib.Path]:
     """Yields a local folder holding the files of `folder`, for libraries that read only local files: `folder`
-    itself on a disk; for a URL, a download of every file under it, deleted when the block ends (the counterpart
-    of `upload_tree`)."""
+    itself on a disk; for a URL, a download of every file under it (`download_tree`), deleted when the block
+    ends."""
     folder = path(folder)
     if not is_remote(folder):
         yield folder
         return
-    fs, prefix = filesystem(folder), _key(folder).rstrip("/") + "/"
     with tempfile.TemporaryDirectory(prefix="deberta-jax-download-") as staging:
-        with reporting(folder, "download"):
-            try:
-                keys = [key for key in fs.find(prefix) if key.startswith(prefix)]
-            except FileNotFoundError:  # no such bucket
-                keys = []
-            if not keys:
-                raise FileNotFoundError(f"{os.fspath(folder)} not found: no file under it in {bucket(folder)}")
-            for key in keys:
-                local = pathlib.Path(staging, key[len(prefix):])
-                local.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(key, os.fspath(local))
+        if not download_tree(folder, staging):
+            raise FileNotFoundError(f"{os.fspath(folder)} not found: no file under it in {bucket(folder)}")
         yield pathlib.Path(staging)
+
+
+def download_tree(folder: PathLike, local: PathLike, skip: Callable[[str], bool] = lambda relative: False) -> int:
+    """Copies the files under remote `folder` into local folder `local` (the counterpart of `upload_tree`), all but
+    those whose relative POSIX path `skip` names; returns how many it copied (0 for a folder that does not exist).
+    Each file is one call to the store, under the deadline."""
+    folder = path(folder)
+    fs, prefix = filesystem(folder), _key(folder).rstrip("/") + "/"
+    with reporting(folder, "list"):
+        try:
+            keys = [key for key in fs.find(prefix) if key.startswith(prefix)]
+        except FileNotFoundError:  # no such bucket
+            keys = []
+    copied = 0
+    for key in keys:
+        relative = key[len(prefix):]
+        if skip(relative):
+            continue
+        target = pathlib.Path(local, relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with reporting(folder / relative, "download"):
+            fs.get_file(key, os.fspath(target))
+        copied += 1
+    return copied
 
 
 def tree_bytes(root: PathLike) -> int:

@@ -21,7 +21,8 @@ On a disk, orbax writes each checkpoint into a temporary directory and renames i
 interrupted save leaves no checkpoint that `latest_step` would pick up; the previous one stays, and
 `clear_interrupted_saves` removes the temporary directory before the next manager opens the folder. In a
 bucket, which cannot rename, orbax writes in place and commits a checkpoint by writing `commit_success.txt`
-last; a step folder without it is never listed, and the next manager deletes it.
+last; a step folder without it is never listed, and the next manager deletes it. In a store orbax cannot write to
+(s3://), orbax saves to a local stage and the step is published with the same rule (`staged_checkpoints`).
 
 Checkpoints prove themselves: after a save, `<step>/sha256.json` records a digest of every file (on a disk
 SHA-256 of the bytes; in a bucket the MD5 the store computed on upload, read from one listing), and
@@ -52,6 +53,7 @@ from deberta_jax.data import tokenizer as tokenizer_lib
 from deberta_jax.model.config import ModelConfig
 from deberta_jax.model.encoder import MaskedLM
 from deberta_jax.train.sharding import sync_processes
+from deberta_jax.train.staged_checkpoints import StagedCheckpointManager
 from deberta_jax.train.steps import TrainState
 
 CONFIG_FILE = "config.json"
@@ -60,6 +62,7 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"
 DIGEST_FILE = "sha256.json"
 BEST_METRIC = "eval_loss"
+ARRAY_ITEMS = ("params", "opt_state")  # the large items of a step, which a staged manager fetches when read
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
 
 
@@ -71,7 +74,10 @@ def _best_metric(metrics: dict) -> float:
     return metrics[BEST_METRIC]
 
 
-def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = False) -> ocp.CheckpointManager:
+Manager = ocp.CheckpointManager | StagedCheckpointManager
+
+
+def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = False) -> Manager:
     """Manager of `workdir/checkpoints`, keeping the latest `keep` plus the best by eval loss."""
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
@@ -88,10 +94,22 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
         ]),
     )
     directory = storage.path(workdir) / CHECKPOINT_DIR
-    storage.check_checkpoints(workdir, "workdir")
+    check_store(workdir)
+    if not storage.orbax_writes(directory):
+        return StagedCheckpointManager(directory, options, read_only, lazy=ARRAY_ITEMS)
     with storage.deadline(directory, "list the checkpoints in"):
         return ocp.CheckpointManager(directory if storage.is_remote(directory) else directory.absolute(),
                                      options=options)
+
+
+def check_store(workdir: str | Path) -> None:
+    """Refuses, in one line, a workdir whose checkpoints this run cannot keep: one in a store orbax cannot write to
+    is staged on one process's disk (`staged_checkpoints`), which a run of several processes cannot share."""
+    if not storage.orbax_writes(workdir) and jax.process_count() > 1:
+        raise storage.StorageError(
+            f"workdir {workdir}: checkpoints in {storage.bucket(workdir)} are saved on one process's disk and "
+            f"published from there, which one process does; this run has {jax.process_count()}. Keep the workdir "
+            "of a multi-process run in gs:// or on a shared filesystem")
 
 
 def clear_interrupted_saves(workdir: str | Path) -> list[str]:
@@ -121,8 +139,16 @@ def is_committed(workdir: str | Path, step: int) -> bool:
     return (step_dir / "commit_success.txt").exists() if storage.is_remote(step_dir) else step_dir.is_dir()
 
 
-def _step_dir(manager: ocp.CheckpointManager, step: int) -> storage.AnyPath:
+def _step_dir(manager: Manager, step: int) -> storage.AnyPath:
+    """The folder orbax reads `step` from (a staged manager's fetched copy)."""
+    if isinstance(manager, StagedCheckpointManager):
+        return manager.step_dir(step)
     return storage.path(manager.directory) / str(step)
+
+
+def _home(manager: Manager) -> storage.AnyPath:
+    """The workdir's checkpoints folder a manager keeps (a staged manager's bucket, not its stage)."""
+    return manager.remote if isinstance(manager, StagedCheckpointManager) else storage.path(manager.directory)
 
 
 def write_digest(step_dir: storage.AnyPath) -> None:
@@ -131,32 +157,37 @@ def write_digest(step_dir: storage.AnyPath) -> None:
     storage.write_text(step_dir / DIGEST_FILE, json.dumps(digests, indent=0, sort_keys=True))
 
 
-def verify_files(step_dir: storage.AnyPath) -> None:
-    """Raises DamagedCheckpointError unless every file recorded in the digest is there, unchanged.
-    A checkpoint without a digest passes with a warning (nothing to compare; its values are still checked)."""
-    recorded_path = step_dir / DIGEST_FILE
+def verify_files(step_dir: storage.AnyPath, shown: storage.AnyPath | None = None) -> None:
+    """Raises DamagedCheckpointError unless every file recorded in the digest is there, unchanged; messages name the
+    folder as `shown` (the bucket's, for a staged copy). A checkpoint without a digest passes with a warning (nothing
+    to compare; its values are still checked)."""
+    recorded_path, shown = step_dir / DIGEST_FILE, shown or step_dir
     if not recorded_path.is_file():
         logging.warning("checkpoint %s has no %s (saved before checkpoints carried a digest, or its process died "
                         "before writing one): its files are not checked against what was saved, only its values for "
-                        "NaN and inf", step_dir, DIGEST_FILE)
+                        "NaN and inf", shown, DIGEST_FILE)
         return
     try:
         recorded = json.loads(storage.read_text(recorded_path))
     except (OSError, json.JSONDecodeError) as err:
-        raise DamagedCheckpointError(f"{recorded_path} is unreadable ({err})") from None
+        raise DamagedCheckpointError(f"{shown / DIGEST_FILE} is unreadable ({err})") from None
     actual = storage.fingerprints(step_dir, kind=storage.checksum_kind(recorded), skip=DIGEST_FILE)
     missing = sorted(set(recorded) - set(actual))
     changed = sorted(k for k in recorded if k in actual and actual[k] != recorded[k])
     if missing or changed:
         raise DamagedCheckpointError(
-            f"{step_dir}: " + "; ".join(filter(None, [missing and f"missing files {missing[:5]}",
+            f"{shown}: " + "; ".join(filter(None, [missing and f"missing files {missing[:5]}",
                                                         changed and f"files changed since the save {changed[:5]}"])))
+
+
+def _verify(manager: Manager, step: int) -> None:
+    verify_files(_step_dir(manager, step), shown=_home(manager) / str(step))
 
 
 LOG_WINDOW = "log_window"
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict | None = None,
+def save(manager: Manager, state: TrainState, eval_metrics: dict | None = None,
          log_window: list[tuple[int, dict]] = ()) -> None:
     """Saves params and optimizer state under `state.step`; `eval_metrics` make it a candidate for best;
     `log_window` is `[(step, {name: host scalar})]` of the steps not yet logged (`restore_log_window`)."""
@@ -168,7 +199,7 @@ def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict |
                               **{LOG_WINDOW: ocp.args.JsonSave({"steps": window})})
     metrics = None if eval_metrics is None else {BEST_METRIC: float(eval_metrics[BEST_METRIC])}
     step = int(state.step)
-    storage.check_fence(manager.directory)  # orbax writes by itself, past the storage writers that ask the fence
+    storage.check_fence(_home(manager))  # orbax writes by itself, past the storage writers that ask the fence
     try:
         with storage.deadline(manager.directory, f"save the checkpoint of step {step} to"):
             manager.save(step, args=args, metrics=metrics)
@@ -183,6 +214,8 @@ def save(manager: ocp.CheckpointManager, state: TrainState, eval_metrics: dict |
     sync_processes(f"checkpoint {step} committed")  # every process's shards, before process 0 digests them
     if jax.process_index() == 0:
         write_digest(_step_dir(manager, step))
+    if isinstance(manager, StagedCheckpointManager):
+        manager.publish(step)
 
 
 @jax.jit
@@ -191,21 +224,21 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state: TrainState) -> TrainState:
+def restore(manager: Manager, step: int, abstract_state: TrainState) -> TrainState:
     """Restores a full train state onto the shardings given in `abstract_state` (ShapeDtypeStructs),
     after checking the files against their digests; non-finite values raise DamagedCheckpointError."""
-    with storage.deadline(_step_dir(manager, step), "restore the checkpoint"):  # the digest check's reads too
-        verify_files(_step_dir(manager, step))
+    with storage.deadline(_home(manager) / str(step), "restore the checkpoint"):  # fetching and digest check too
+        _verify(manager, step)
         restored = manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_state.params),
             opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
     if not bool(_all_finite((restored.params, restored.opt_state))):
-        raise DamagedCheckpointError(f"{_step_dir(manager, step)} holds NaN or inf values")
+        raise DamagedCheckpointError(f"{_home(manager) / str(step)} holds NaN or inf values")
     step = jax.device_put(np.asarray(step, np.int32), abstract_state.step.sharding)
     return TrainState(step=step, params=restored.params, opt_state=restored.opt_state)
 
 
-def restore_log_window(manager: ocp.CheckpointManager, step: int) -> list[tuple[int, dict]]:
+def restore_log_window(manager: Manager, step: int) -> list[tuple[int, dict]]:
     """The log window saved with checkpoint `step` (`save`); empty for a checkpoint written before windows were
     saved."""
     if not (_step_dir(manager, step) / LOG_WINDOW).is_dir():
@@ -215,7 +248,7 @@ def restore_log_window(manager: ocp.CheckpointManager, step: int) -> list[tuple[
             for entry in saved["steps"]]
 
 
-def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainState, workdir: str | Path
+def restore_newest_intact(manager: Manager, abstract_state: TrainState, workdir: str | Path
                           ) -> TrainState | None:
     """The newest checkpoint that restores intact (see `restore`), or None when there is none at all.
 
@@ -231,9 +264,9 @@ def restore_newest_intact(manager: ocp.CheckpointManager, abstract_state: TrainS
             reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
             damaged.append(step)
             logging.warning("checkpoint %d in %s is damaged (%s); moving it to %s and trying the previous one",
-                            step, manager.directory, reason, DAMAGED_DIR)
+                            step, _home(manager), reason, DAMAGED_DIR)
             if jax.process_index() == 0:
-                _quarantine(_step_dir(manager, step), storage.path(workdir) / DAMAGED_DIR)
+                _quarantine(_home(manager) / str(step), storage.path(workdir) / DAMAGED_DIR)
             sync_processes(f"checkpoint {step} quarantined")
             continue
         if damaged:
@@ -328,7 +361,7 @@ def parse_step(text: str) -> int | str:
     raise ValueError(f"--checkpoint={text!r}: use 'latest', 'best' or a step number")
 
 
-def select_step(manager: ocp.CheckpointManager, step: int | str | None, workdir) -> int:
+def select_step(manager: Manager, step: int | str | None, workdir) -> int:
     """`None` or "latest" -> latest, "best" -> lowest eval loss, int -> that step."""
     available = manager.all_steps()
     if not available:
@@ -389,13 +422,14 @@ def load_workdir(workdir: str | Path, step: int | str | None = None, **overrides
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                                    nnx.to_pure_dict(abstract_state))
     try:
-        verify_files(_step_dir(manager, chosen))
+        with storage.deadline(_home(manager) / str(chosen), "fetch and check the checkpoint"):
+            _verify(manager, chosen)
     except DamagedCheckpointError as err:
         others = sorted(set(manager.all_steps()) - {chosen})
         raise DamagedCheckpointError(f"checkpoint {chosen} is damaged: {err}. Load another step "
                                      f"(available: {others}), or resume training, which sets damaged ones aside."
                                      ) from None
-    with storage.deadline(_step_dir(manager, chosen), "restore the parameters of"):
+    with storage.deadline(_home(manager) / str(chosen), "restore the parameters of"):
         restored = manager.restore(chosen, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     manager.close()
     if not bool(_all_finite(restored.params)):  # a diverged run's save: every score and export would be NaN
