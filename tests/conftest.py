@@ -110,3 +110,13 @@ def s3():
 def s3_bucket(s3, request):
     """A new bucket on the suite's S3 server, `s3://<name>`, named after the test."""
     return s3.make_bucket(_bucket_name(request))
+
+
+@pytest.fixture(params=["gs", "s3"])
+def store(request):
+    """`(server, new bucket)` for each object store a workdir can live in: a test taking it runs once against the
+    suite's GCS server and once against its S3 server, which hold checkpoints in different ways (orbax writes to
+    gs:// itself; s3:// checkpoints are staged locally and published)."""
+    if request.param == "gs":
+        return request.getfixturevalue("gcs"), request.getfixturevalue("bucket")
+    return request.getfixturevalue("s3"), request.getfixturevalue("s3_bucket")

@@ -1,6 +1,6 @@
 """Corpora, evaluation, export, the sweep and the curves with their paths in a bucket (the suite's GCS server,
-`bucket`): each reads and writes there what it reads and writes in local folders, and a bucket that does not exist
-is one line naming it.
+`bucket`; eval, export and the sweep also against its S3 server, `store`): each reads and writes there what it reads
+and writes in local folders, and a bucket that does not exist is one line naming it.
 
 One micro run is trained locally per module; `storage.upload_tree` copies it into each test's bucket.
 """
@@ -92,7 +92,8 @@ def eval_py(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_eval_reads_a_workdir_and_data_in_a_bucket_and_writes_its_report_there(local_run, corpus, bucket, tmp_path):
+def test_eval_reads_a_workdir_and_data_in_a_bucket_and_writes_its_report_there(local_run, corpus, store, tmp_path):
+    bucket = store[1]
     storage.upload_tree(local_run, f"{bucket}/runs/run-s0")
     storage.upload_tree(corpus, f"{bucket}/data/corpus")
     common = ["--multiples", "1", "--extra", "", "--protocols", "chunked", "--methods", "", "--bootstrap", "20"]
@@ -116,7 +117,8 @@ def test_eval_reads_a_workdir_and_data_in_a_bucket_and_writes_its_report_there(l
 
 
 @pytest.mark.filterwarnings("ignore::deberta_jax.model.hf.ExportWarning")  # the clamp's, returned as notes too
-def test_export_from_a_bucket_to_a_bucket_writes_the_files_of_a_local_export(local_run, bucket, tmp_path):
+def test_export_from_a_bucket_to_a_bucket_writes_the_files_of_a_local_export(local_run, store, tmp_path):
+    bucket = store[1]
     storage.upload_tree(local_run, f"{bucket}/run")
     notes = writer.export_workdir(local_run, tmp_path / "export")
     assert writer.export_workdir(f"{bucket}/run", f"{bucket}/export") == notes
@@ -146,9 +148,10 @@ def test_a_bucket_that_does_not_exist_is_one_line_naming_it(local_run, gcs):
     assert "\n" not in str(err.value)
 
 
-def test_a_sweep_reads_its_runs_and_data_in_a_bucket_and_reports_there(local_run, corpus, bucket, monkeypatch):
+def test_a_sweep_reads_its_runs_and_data_in_a_bucket_and_reports_there(local_run, corpus, store, monkeypatch):
     """The sweep's report (`--mode report`) over a run in a bucket: evaluated once, its evaluation cached beside it
     in the bucket and read back by the next report."""
+    bucket = store[1]
     storage.upload_tree(local_run, f"{bucket}/runs/run-s0")
     storage.upload_tree(corpus, f"{bucket}/data/corpus")
     plan = ablation.get_config("smoke")

@@ -13,7 +13,7 @@ step with it under the rule the gs:// workdir keeps:
     metadata, metrics, log window, digest) fetched, which is all orbax needs to list and rank them; the arrays of a
     step (`lazy`) are fetched the first time the step is read (`step_dir`), so listing or loading one step of a run
     does not download all of them. The digest check then reads the downloaded bytes: what a restore uses is what
-    was saved.
+    was saved. The stage is removed on close, or, after a kill, by the next manager opened on the same host.
 
 One process writes the stage, so a run of several processes (which orbax saves shard by shard into one shared
 folder) is refused with a workdir here; it needs a shared filesystem or gs://.
@@ -28,6 +28,7 @@ import tempfile
 import orbax.checkpoint as ocp
 
 from deberta_jax import storage
+from deberta_jax.storage import atomic
 
 COMMIT_MARKER = "commit_success.txt"  # the name orbax gives the marker of a committed step in gs://
 
@@ -41,7 +42,11 @@ class StagedCheckpointManager:
         self.remote = remote
         self._read_only = read_only
         self._lazy = lazy
-        self._stage = pathlib.Path(tempfile.mkdtemp(prefix="deberta-jax-checkpoints-"))
+        # In the temporary folder, named after this process: the stages that killed processes left are removed here.
+        base = pathlib.Path(tempfile.gettempdir()) / "deberta-jax-checkpoint-stage"
+        atomic.remove_abandoned(base)
+        self._stage = atomic.temporary(base)
+        self._stage.mkdir()
         self._published: set[int] = set()  # committed in the bucket
         self._complete: set[int] = set()  # every file in the stage
         self._sync()

@@ -1,6 +1,7 @@
 """s3:// against a real S3 API server the suite starts (moto's, `tests.s3_server`): the workdir lock by S3's conditional
-writes, whole files, listings and checksums; checkpoints, which orbax cannot keep there, refused in one line before
-anything is trained or read; a missing s3fs named with its install command."""
+writes (and a store that ignores them refused), whole files, listings and checksums; a missing s3fs named with its
+install command. Training, resuming and the faults of a workdir in s3:// are in tests/train/test_pod.py; eval,
+export and the sweep reading one in tests/test_storage_io.py."""
 
 import json
 import logging
@@ -13,7 +14,7 @@ import pytest
 
 from deberta_jax import storage
 from deberta_jax.storage import paths
-from deberta_jax.train import checkpoint, metrics_io, workdir_lock
+from deberta_jax.train import metrics_io, workdir_lock
 from tests.helpers import REPO, run_with_store_paused
 
 
@@ -99,19 +100,23 @@ def test_a_corpus_read_from_a_store_that_stops_answering_ends_in_one_line_past_t
                      "the limit"], err[-2000:]
 
 
-def test_checkpoints_in_s3_are_refused_in_one_line_before_training_or_reading(s3_bucket, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{s3_bucket}/run",
-         "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
-    assert result.returncode == 1
+def test_an_s3_store_that_ignores_conditional_writes_is_refused_in_one_line(s3, s3_bucket, tmp_path):
+    """An S3-compatible store that carries out writes whatever their `If-Match` / `If-None-Match` would let two runs
+    hold one lock: train.py is refused when it takes the lock, before anything is compiled, in one line naming the
+    store, and leaves no lock behind."""
+    from tests.store_proxy import StoreProxy
+
+    with StoreProxy(s3.url, "preconditions") as proxy:
+        result = subprocess.run(
+            [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{s3_bucket}/run",
+             "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, JAX_PLATFORMS="cpu", AWS_ENDPOINT_URL=proxy.url))
+    assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "model:" not in result.stderr, result.stderr[-2000:]
-    assert (f"train.py: --workdir {s3_bucket}/run: orbax cannot keep checkpoints in {s3_bucket}"
-            in result.stderr.splitlines()[-2]), result.stderr[-2000:]
-    assert not storage.path(f"{s3_bucket}/run/{workdir_lock.LOCK_FILE}").exists()
-    # eval.py, the export, the sweep and the length study open a workdir's checkpoints through the same manager.
-    with pytest.raises(storage.StorageError, match="orbax cannot keep checkpoints"):
-        checkpoint.checkpoint_manager(f"{s3_bucket}/run", read_only=True)
+    assert result.stderr.splitlines()[-2].startswith(f"train.py: {s3_bucket}: this store ignores generation "
+                                                     "preconditions"), result.stderr[-2000:]
+    assert storage.read_version(f"{s3_bucket}/run/{workdir_lock.LOCK_FILE}") is None
 
 
 def test_s3_without_s3fs_is_one_line_with_the_install_command(monkeypatch):

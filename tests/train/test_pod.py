@@ -242,6 +242,67 @@ def test_one_host_waits_out_an_outage_loses_only_a_torn_save_and_stops_at_a_chec
     assert_same_run(workdir, reference)
 
 
+def test_an_s3_workdir_loses_only_a_torn_save_keeps_its_lock_stops_on_sigterm_and_resumes_exactly(
+        corpus, s3, s3_bucket, reference, tmp_path):
+    """A workdir in s3://, whose checkpoints orbax saves on a local stage and the run publishes (every file, then the
+    commit marker), through the faults a single host meets:
+    1. the store stops answering (SIGSTOP) while a step is being published, and the trainer dies with it: the store
+       comes back holding part of that step, which is never listed, and the rerun resumes from the newest committed
+       step and deletes the torn one;
+    2. a second launch on the same workdir while the rerun holds the lock is refused in one line;
+    3. SIGTERM: the rerun saves the step it is at and exits 143 with one line;
+    4. the next rerun finishes, logging what an uninterrupted run on a local disk logs."""
+    for name in ("train.txt", "valid.txt"):
+        storage.write_bytes(f"{s3_bucket}/corpus/{name}", (corpus / name).read_bytes())
+    data, workdir = f"{s3_bucket}/corpus", f"{s3_bucket}/run"
+    host = Hosts(tmp_path, data, workdir, 1, ["--config.train.checkpoint_every=1"])
+
+    def publishing() -> int | None:
+        """A step past 3 whose folder has objects but no commit marker yet."""
+        steps = storage.path(f"{workdir}/{checkpoint.CHECKPOINT_DIR}")
+        found = [int(p.name) for p in steps.iterdir() if p.name.isdigit()] if steps.exists() else []
+        return next((step for step in sorted(found) if step > 3 and not committed(workdir, step)), None)
+
+    wait_until(lambda: publishing() is not None, host)
+    s3.pause()
+    time.sleep(0.5)
+    host.kill()
+    s3.resume()
+    torn, before = publishing(), committed_steps(workdir)
+    assert torn is not None and torn not in before and max(before) < torn, (torn, before)
+
+    host = Hosts(tmp_path, data, workdir, 1)
+    wait_until(lambda: last_step_in_log(host.texts()[0]) > max(before), host)
+    assert resumed_step(host.texts()[0]) == max(before)
+    assert not storage.path(f"{workdir}/{checkpoint.CHECKPOINT_DIR}/{torn}").exists()
+    second = Hosts(tmp_path / "second", data, workdir, 1)
+    assert second.wait() == [1], second.failure()
+    refusal = [line for line in second.texts()[0].splitlines() if line.startswith("train.py:")]
+    assert len(refusal) == 1 and refusal[0].startswith(f"train.py: {workdir} is in use by PID "), refusal
+    host.processes[0].send_signal(signal.SIGTERM)
+    assert host.wait() == [143], host.failure()
+    lines = [line for line in host.texts()[0].splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 1 and "preempted (SIGTERM): saved the checkpoint at step" in lines[0], lines
+    step = int(lines[0].split("at step ")[1].split()[0])
+    assert max(before) < step < STEPS and max(committed_steps(workdir)) == step
+
+    rerun = Hosts(tmp_path, data, workdir, 1)
+    assert rerun.wait() == [0], rerun.failure()
+    assert resumed_step(rerun.texts()[0]) == step
+    assert_same_run(workdir, reference)
+
+
+def test_a_multi_process_run_with_an_s3_workdir_is_refused_in_one_line(corpus, s3_bucket, tmp_path):
+    """Checkpoints in s3:// are staged on one process's disk; two processes would each hold half of every step."""
+    hosts = Hosts(tmp_path, str(corpus), f"{s3_bucket}/run", 2)
+    assert hosts.wait() == [1, 1], hosts.failure()
+    for text in hosts.texts():
+        lines = [line for line in text.splitlines() if line.startswith("train.py:")]
+        assert len(lines) == 1 and "Traceback" not in text and "model:" not in text, text[-3000:]
+        assert (f"checkpoints in {s3_bucket} are saved on one process's disk and published from there, which one "
+                "process does; this run has 2" in lines[0]), lines
+
+
 def test_a_missing_bucket_is_one_line_before_anything_is_compiled(tmp_path, gcs):
     result = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", "gs://no-such-bucket/run",
@@ -373,10 +434,10 @@ def test_a_store_without_generation_preconditions_or_generations_is_refused_in_o
     refused when it takes the lock, before anything is compiled, in one line naming the store and why, and leaves
     no lock behind; `read_version` on a store without generations says so."""
     from deberta_jax.storage import objects
-    from tests.gcs_proxy import GcsProxy
+    from tests.store_proxy import StoreProxy
 
     lock = f"{bucket}/run/{workdir_lock.LOCK_FILE}"
-    with GcsProxy(gcs.url, without) as proxy:
+    with StoreProxy(gcs.url, without) as proxy:
         result = subprocess.run(
             [sys.executable, "train.py", "--config", "configs/deberta.py:micro", "--workdir", f"{bucket}/run",
              "--config.data.train_files=synthetic:markov:train", f"--config.data.cache_dir={tmp_path}"],
@@ -402,11 +463,11 @@ QUICK_LOCK_TRAIN = ("import runpy, sys\nfrom deberta_jax.train import workdir_lo
                     "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def test_a_run_whose_lock_was_taken_over_while_it_stalled_writes_nothing_more(bucket, cache, tmp_path, caplog):
+def test_a_run_whose_lock_was_taken_over_while_it_stalled_writes_nothing_more(store, cache, tmp_path, caplog):
     """train.py is stopped (SIGSTOP) for 3 s between two records, as a VM stalls; another run takes the workdir over
     and writes its metrics. Resumed, the first run writes nothing more (metrics, TensorBoard events, checkpoints)
     and stops with one line naming the run that holds the workdir now."""
-    workdir = f"{bucket}/run"
+    workdir = f"{store[1]}/run"
     fields = overrides(cache, num_steps=100_000, log_every=20, checkpoint_every=100_000)
     fields["data.eval_files"] = ""
     log = tmp_path / "train.log"
@@ -439,11 +500,11 @@ def test_a_run_whose_lock_was_taken_over_while_it_stalled_writes_nothing_more(bu
     assert f"was taken over by another run (it now names PID {os.getpid()} " in lines[0], lines
 
 
-def test_a_store_that_stops_answering_ends_the_run_in_one_line_and_the_same_command_resumes(
-        bucket, gcs, cache, tmp_path):
+def test_a_store_that_stops_answering_ends_the_run_in_one_line_and_the_same_command_resumes(store, cache, tmp_path):
     """The store stops answering (SIGSTOP: connections are accepted, nothing comes back) while train.py saves a
     checkpoint at every step. With a 3 s deadline on every call to the store, the run ends within seconds with one
     line naming the call that did not finish, the store, and that the same command resumes, which it then does."""
+    server, bucket = store
     workdir = f"{bucket}/run"
     fields = overrides(cache, num_steps=12, log_every=1000, checkpoint_every=1)
     fields["data.eval_files"] = ""
@@ -458,18 +519,18 @@ def test_a_store_that_stops_answering_ends_the_run_in_one_line_and_the_same_comm
         while not committed(workdir, 2):
             assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        gcs.pause()
+        server.pause()
         paused = time.monotonic()
         code = trainer.wait(timeout=60)
         stopped_after = time.monotonic() - paused
     finally:
-        gcs.resume()
+        server.resume()
         trainer.kill()
         trainer.wait()
     text = log.read_text()
     lines = [line for line in text.splitlines() if line.startswith("train.py:")]
     assert code == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
-    assert re.fullmatch(rf"train\.py: \w.* gs://\S+ did not finish within 3 s: {bucket} is not answering\. Stopped; "
+    assert re.fullmatch(rf"train\.py: \w.* \w+://\S+ did not finish within 3 s: {bucket} is not answering\. Stopped; "
                         r".* rerun the same command to resume; --storage_deadline_s sets the limit", lines[0]), lines
     assert stopped_after < 10, stopped_after
     rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
@@ -493,12 +554,13 @@ print("restored", flush=True)
 """
 
 
-def test_a_restore_from_a_store_that_stops_answering_ends_in_one_line(bucket, gcs, tmp_path):
+def test_a_restore_from_a_store_that_stops_answering_ends_in_one_line(store, tmp_path):
     """A checkpoint is restored under the storage deadline, its digest check included: the store paused (SIGSTOP)
     just before, the restoring process ends within seconds with the line naming the restore, not the hang."""
     import jax.numpy as jnp
 
     from deberta_jax.train import steps
+    server, bucket = store
     workdir = f"{bucket}/run"
     state = steps.TrainState(step=jnp.asarray(1), params={"w": jnp.ones(3)}, opt_state={"m": jnp.zeros(3)})
     manager = checkpoint.checkpoint_manager(workdir)
@@ -509,7 +571,7 @@ def test_a_restore_from_a_store_that_stops_answering_ends_in_one_line(bucket, gc
     restorer = subprocess.Popen([sys.executable, str(script), workdir], cwd=REPO, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
-    out, err, ended_after = run_with_store_paused(restorer, gcs, "ready")
+    out, err, ended_after = run_with_store_paused(restorer, server, "ready")
     assert restorer.returncode == 1 and "restored" not in out, err[-3000:]
     assert re.search(rf"restorer: restore the checkpoint {workdir}/checkpoints/1 did not finish within 2 s: {bucket} "
                      "is not answering", err), err[-3000:]

@@ -1,6 +1,8 @@
-"""A GCS API server that lacks what the bucket lock relies on: fake-gcs-server (`tests.gcs_server`) behind a proxy
-that drops generation preconditions from requests (`ifGenerationMatch`: every conditional write is carried out), or
-object generations from responses, as stores that speak the GCS API without them do.
+"""A store that lacks what the bucket lock relies on: the suite's GCS or S3 server behind a proxy that drops the
+conditions of conditional writes from requests (GCS's `ifGeneration*` parameters, S3's `If-Match` and
+`If-None-Match` headers: every conditional write is carried out), or GCS object generations from responses, as
+stores that speak those APIs without them do. (moto does not check request signatures, so S3's signed headers may
+be dropped.)
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from tests.gcs_server import free_port
 
 # Hop-by-hop and length headers: the proxy answers with a body of its own length.
 _NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+_S3_CONDITIONS = {"if-match", "if-none-match"}
 
 
-class GcsProxy:
-    """Forwards to the GCS API server at `backend` (its URL); `without` is "preconditions" or "generations"."""
+class StoreProxy:
+    """Forwards to the GCS or S3 API server at `backend` (its URL); `without` is "preconditions" (either API) or
+    "generations" (GCS's)."""
 
     def __init__(self, backend: str, without: str):
         assert without in ("preconditions", "generations")
@@ -31,7 +35,8 @@ class GcsProxy:
                 query = [(k, v) for k, v in urllib.parse.parse_qsl(url.query, keep_blank_values=True)
                          if not (without == "preconditions" and k.startswith("ifGeneration"))]
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _NOT_FORWARDED}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _NOT_FORWARDED
+                           and not (without == "preconditions" and k.lower() in _S3_CONDITIONS)}
                 backend_connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
                 backend_connection.request(self.command, url.path + "?" + urllib.parse.urlencode(query), body=body,
                                            headers=headers)
@@ -48,12 +53,15 @@ class GcsProxy:
                 self.send_response(answer.status)
                 for k, v in reply:
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD answer carries the length of the body a GET would return, and no body.
+                head = self.command == "HEAD"
+                self.send_header("Content-Length", answer.getheader("Content-Length", "0") if head else str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if not head:
+                    self.wfile.write(data)
                 backend_connection.close()
 
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = forward
 
             def log_message(self, *args):
                 pass
@@ -65,7 +73,7 @@ class GcsProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> GcsProxy:
+    def __enter__(self) -> StoreProxy:
         self.thread.start()
         return self
 
