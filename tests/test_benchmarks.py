@@ -89,15 +89,16 @@ def test_tpu_attention_benchmark_compiles_the_fused_kernels(tmp_path):
     assert deberta["gathers"] <= 2 and bert["gathers"] == 0  # only the per-distance table expansions
 
 
-def test_checkpoint_storage_benchmark_times_the_same_checkpoint_on_disk_and_in_a_bucket():
-    """Against the GCS server the script starts itself: one line per storage, the same checkpoint in both."""
+def test_checkpoint_storage_benchmark_times_the_same_checkpoint_on_disk_and_in_both_buckets():
+    """Against the GCS and S3 servers the script starts itself: one line per store, the same checkpoint in each."""
     out = run_script("checkpoint_storage.py", "--sizes", "micro", "--rounds", "1", "--every", "1", "--batch", "2")
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [(row["size"], row["storage"]) for row in rows] == [("micro", "local"), ("micro", "bucket")]
-    local, remote = rows
-    assert remote["where"].startswith("gs://")
-    # The same arrays in both places. A micro checkpoint is half a megabyte, so the files that differ by storage
+    assert [(row["size"], row["storage"]) for row in rows] == [("micro", "local"), ("micro", "gs"), ("micro", "s3")]
+    local, gs, s3 = rows
+    assert gs["where"].startswith("gs://") and s3["where"].startswith("s3://")
+    # The same arrays in each place. A micro checkpoint is half a megabyte, so the files that differ by storage
     # (orbax's commit markers in a bucket, the digest record's SHA-256 hex or MD5 base64) weigh a few percent.
-    assert remote["checkpoint_mb"] == pytest.approx(local["checkpoint_mb"], rel=0.1) and local["checkpoint_mb"] > 0
+    for remote in (gs, s3):
+        assert remote["checkpoint_mb"] == pytest.approx(local["checkpoint_mb"], rel=0.1) and local["checkpoint_mb"] > 0
     for row in rows:
         assert row["save_s"] > 0 and row["restore_s"] > 0 and row["step_s_checkpoint_every_1"] > row["step_s"] > 0
