@@ -113,7 +113,8 @@ def set_model_params(model, values) -> None:
 
 def files_after_kills(command: list[str], delays, watched, cwd=None) -> list[dict[str, bytes]]:
     """Starts `command` once per delay and SIGKILLs it after that many seconds (unless it ended first); returns
-    the files of the directory `watched` (name -> bytes) after each, for fault tests of writers."""
+    what the directory `watched` holds after each (name -> bytes; a folder, such as a killed writer's temporary
+    one, -> None), for fault tests of writers."""
     seen = []
     for delay in delays:
         process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -122,7 +123,7 @@ def files_after_kills(command: list[str], delays, watched, cwd=None) -> list[dic
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        seen.append({path.name: path.read_bytes() for path in watched.iterdir()})
+        seen.append({path.name: path.read_bytes() if path.is_file() else None for path in watched.iterdir()})
     return seen
 
 
