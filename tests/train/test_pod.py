@@ -313,7 +313,12 @@ def test_a_missing_bucket_is_one_line_before_anything_is_compiled(tmp_path, gcs)
     assert "gs://no-such-bucket: no such bucket" in result.stderr.splitlines()[-2], result.stderr[-2000:]
 
 
-def test_an_altered_object_in_the_bucket_is_named_by_the_digest_check(data, bucket, tmp_path):
+def test_an_altered_object_in_the_bucket_is_named_by_the_digest_check(corpus, store, tmp_path):
+    """In s3:// the check reads the downloaded copy of the step, in gs:// the listing's MD5s: either names the file."""
+    bucket = store[1]
+    for name in ("train.txt", "valid.txt"):
+        storage.write_bytes(f"{bucket}/corpus/{name}", (corpus / name).read_bytes())
+    data = f"{bucket}/corpus"
     config = deberta.get_config("micro")
     config.update_from_flattened_dict(dict(fields(data, tmp_path / "cache"), **{"train.num_steps": 4}))
     workdir = f"{bucket}/run"
