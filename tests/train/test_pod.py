@@ -196,6 +196,22 @@ def test_hosts_sharing_only_a_bucket_survive_sigkill_preemption_and_a_change_of_
     assert_same_run(workdir, reference)
 
 
+def preempt_then_finish(host: Hosts, root, data: str, workdir: str, resumed_from: int, reference):
+    """SIGTERM to a running host resumed from `resumed_from`: it saves the step it is at, exits 143 with one line;
+    the rerun resumes from that step and the run then logs what the uninterrupted `reference` logs."""
+    host.processes[0].send_signal(signal.SIGTERM)
+    assert host.wait() == [143], host.failure()
+    lines = [line for line in host.texts()[0].splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 1 and "preempted (SIGTERM): saved the checkpoint at step" in lines[0], lines
+    step = int(lines[0].split("at step ")[1].split()[0])
+    assert resumed_from < step < STEPS and max(committed_steps(workdir)) == step
+
+    rerun = Hosts(root, data, workdir, 1)
+    assert rerun.wait() == [0], rerun.failure()
+    assert resumed_step(rerun.texts()[0]) == step
+    assert_same_run(workdir, reference)
+
+
 def test_one_host_waits_out_an_outage_loses_only_a_torn_save_and_stops_at_a_checkpoint_on_sigterm(
         data, bucket, reference, gcs, tmp_path):
     """One run through the faults a single host meets, then the rerun that must equal the uninterrupted run:
@@ -229,17 +245,7 @@ def test_one_host_waits_out_an_outage_loses_only_a_torn_save_and_stops_at_a_chec
     wait_until(lambda: resumed_step(host.texts()[0]) is not None, host)
     assert resumed_step(host.texts()[0]) == max(before)
     wait_until(lambda: last_step_in_log(host.texts()[0]) > max(before), host)
-    host.processes[0].send_signal(signal.SIGTERM)
-    assert host.wait() == [143], host.failure()
-    lines = [line for line in host.texts()[0].splitlines() if line.startswith("train.py:")]
-    assert len(lines) == 1 and "preempted (SIGTERM): saved the checkpoint at step" in lines[0], lines
-    step = int(lines[0].split("at step ")[1].split()[0])
-    assert max(before) < step < STEPS and max(committed_steps(workdir)) == step
-
-    rerun = Hosts(tmp_path, data, workdir, 1)
-    assert rerun.wait() == [0], rerun.failure()
-    assert resumed_step(rerun.texts()[0]) == step
-    assert_same_run(workdir, reference)
+    preempt_then_finish(host, tmp_path, data, workdir, max(before), reference)
 
 
 def test_an_s3_workdir_loses_only_a_torn_save_keeps_its_lock_stops_on_sigterm_and_resumes_exactly(
@@ -279,17 +285,7 @@ def test_an_s3_workdir_loses_only_a_torn_save_keeps_its_lock_stops_on_sigterm_an
     assert second.wait() == [1], second.failure()
     refusal = [line for line in second.texts()[0].splitlines() if line.startswith("train.py:")]
     assert len(refusal) == 1 and refusal[0].startswith(f"train.py: {workdir} is in use by PID "), refusal
-    host.processes[0].send_signal(signal.SIGTERM)
-    assert host.wait() == [143], host.failure()
-    lines = [line for line in host.texts()[0].splitlines() if line.startswith("train.py:")]
-    assert len(lines) == 1 and "preempted (SIGTERM): saved the checkpoint at step" in lines[0], lines
-    step = int(lines[0].split("at step ")[1].split()[0])
-    assert max(before) < step < STEPS and max(committed_steps(workdir)) == step
-
-    rerun = Hosts(tmp_path, data, workdir, 1)
-    assert rerun.wait() == [0], rerun.failure()
-    assert resumed_step(rerun.texts()[0]) == step
-    assert_same_run(workdir, reference)
+    preempt_then_finish(host, tmp_path, data, workdir, max(before), reference)
 
 
 def test_a_multi_process_run_with_an_s3_workdir_is_refused_in_one_line(corpus, s3_bucket, tmp_path):
