@@ -192,7 +192,6 @@ def train_and_evaluate(config: config_dict.ConfigDict, workdir: str | Path, *, s
             branch_from = None
     with peers.Watch("train.py", workdir) as progress:  # from the moment jax.distributed has joined the processes
         storage.check_writable(workdir, "--workdir")  # every process writes its checkpoint shards there
-        checkpoint.check_store(workdir)
         # A run whose bucket lock another run took over writes nothing more there: the lock fences the workdir.
         with workdir_lock.hold(workdir) if jax.process_index() == 0 else contextlib.nullcontext():
             return _train(config, workdir, stop_at_step, branch_from, progress)

@@ -94,22 +94,11 @@ def checkpoint_manager(workdir: str | Path, keep: int = 1, read_only: bool = Fal
         ]),
     )
     directory = storage.path(workdir) / CHECKPOINT_DIR
-    check_store(workdir)
     if not storage.orbax_writes(directory):
         return StagedCheckpointManager(directory, options, read_only, lazy=ARRAY_ITEMS)
     with storage.deadline(directory, "list the checkpoints in"):
         return ocp.CheckpointManager(directory if storage.is_remote(directory) else directory.absolute(),
                                      options=options)
-
-
-def check_store(workdir: str | Path) -> None:
-    """Refuses, in one line, a workdir whose checkpoints this run cannot keep: one in a store orbax cannot write to
-    is staged on one process's disk (`staged_checkpoints`), which a run of several processes cannot share."""
-    if not storage.orbax_writes(workdir) and jax.process_count() > 1:
-        raise storage.StorageError(
-            f"workdir {workdir}: checkpoints in {storage.bucket(workdir)} are saved on one process's disk and "
-            f"published from there, which one process does; this run has {jax.process_count()}. Keep the workdir "
-            "of a multi-process run in gs:// or on a shared filesystem")
 
 
 def clear_interrupted_saves(workdir: str | Path) -> list[str]:
