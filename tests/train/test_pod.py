@@ -1,9 +1,11 @@
 """Runs that live on a pod: hosts that share nothing but a bucket, preemption, and faults of the store.
 
-The bucket is a real GCS API server (`tests.gcs_server`, started by the suite). Each "host" is a `train.py` process
-with a folder of its own as cwd, HOME, TMPDIR, data cache and compilation cache: nothing one writes locally is
-visible to another, as on a pod's VMs. The corpus and the workdir are in the bucket. What must hold: killed,
-preempted or resumed on another process count, the run logs exactly what one uninterrupted process logs.
+The bucket is a real GCS API server (`tests.gcs_server`, started by the suite), and for the tests that take
+`store` also moto's S3 server (`tests.s3_server`), where checkpoints are staged on each host's disk and published.
+Each "host" is a `train.py` process with a folder of its own as cwd, HOME, TMPDIR, data cache and compilation
+cache: nothing one writes locally is visible to another, as on a pod's VMs. The corpus and the workdir are in the
+bucket. What must hold: killed, preempted or resumed on another process count, the run logs exactly what one
+uninterrupted process logs.
 """
 
 import json
