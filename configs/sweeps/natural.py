@@ -59,7 +59,10 @@ scales a head's scores (its factor grows by log(n) / log(L) whatever it learns),
 64-512 phase with a temperature whose growth with log(keys) is learned (`attention_temperature="learned_rate"`).
 `-kerple` adds KERPLE's learned log-distance decay to DeBERTa's scores (`score_bias="kerple_log"`, two rates per
 head: `-r1 log(1 + r2 |i - j|)`) and trains on rows of 64 only, at the plain model's cost per token: instead of
-training on more keys, it down-weights the far ones at every length. Its
+training on more keys, it down-weights the far ones at every length. `-kerple-long2048-mixed-half2000` gives the
+decay `-half2000`'s phase (without the learned temperature): on rows of 64 the decay's rates only ever see distances
+under 64 and stay near their start, so its shape past L is an extrapolation; the long rows fit it there, while the
+decay's gain at 1x may pay for the phase's cost there. Its
 runs share runs/natural with `:far`, whose `deberta-emd` and
 `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is the same recipes
 at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of 512, 1,024 or
@@ -134,7 +137,8 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     (`-rate`) with the L-8L phase, which trains how steeply attention sharpens
     with the key count where the slope cannot; and KERPLE's learned log-distance decay added to DeBERTa's scores
     (`-kerple`, `score_bias="kerple_log"`) on rows of L only, which down-weights far keys without a cut-off instead of
-    training on them."""
+    training on them; and that decay with `-half<2N>`'s phase (`-kerple-long<N>-mixed-half<2N>`), so that the
+    decay's two rates per head are fitted on distances past L, which rows of L never show them."""
     def long(multiple, share=1.0, phase=steps // 10, **data):
         train = dict(long_steps=phase, **({"long_share": share} if share != 1 else {}))
         return dict(train=train, data=dict(long_seq_len=multiple * seq_len, **data))
@@ -154,7 +158,10 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
                              **_room_for(reach * seq_len)),
             variants.variant(f"deberta-emd-rate-long{8 * seq_len}-mixed", variants.DEBERTA,
                              **long(8, min_row_length=seq_len), **_RATE, **_room_for(8 * seq_len)),
-            variants.variant("deberta-emd-kerple", variants.DEBERTA, score_bias="kerple_log")]
+            variants.variant("deberta-emd-kerple", variants.DEBERTA, score_bias="kerple_log"),
+            variants.variant(f"deberta-emd-kerple-long{reach * seq_len}-mixed-half{steps // 5}", variants.DEBERTA,
+                             **long(reach, share=0.5, phase=steps // 5, min_row_length=seq_len),
+                             score_bias="kerple_log", **_room_for(reach * seq_len))]
 
 
 def _room_for(length: int) -> dict:
