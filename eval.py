@@ -5,7 +5,7 @@
       --out results/len
 
 Each model is scored at multiples of its own training length L (1x, 2x, 4x, 8x) plus L+16 and L+64
-(or `--lengths`), under the chunked and fixed-target protocols, with identical targets for every model.
+(or `--lengths`), under the chunked and centred-target protocols, with identical targets for every model.
 Models with a learned absolute table get one set of rows per `--policies` entry (positions past L);
 combinations a policy refuses are listed under "Not evaluated" rather than given a value.
 
@@ -81,8 +81,9 @@ flags.DEFINE_integer("tokens_per_batch", _DEFAULTS.tokens_per_batch,
                      "Batch size in tokens; rows per batch = this // length.")
 flags.DEFINE_integer("max_eval_tokens", _DEFAULTS.max_eval_tokens,
                      "Use only the first this many tokens of each eval text (0 = all).")
-flags.DEFINE_integer("num_targets", _DEFAULTS.num_targets, "Fixed-target protocol: number of target spans.")
-flags.DEFINE_integer("span", _DEFAULTS.span, "Fixed-target protocol: span length in tokens (0 = L // 4).")
+flags.DEFINE_integer("num_spans", _DEFAULTS.num_spans, "Centred-target protocol: at most this many target spans "
+                     "(fewer where the text has less room).")
+flags.DEFINE_integer("span", _DEFAULTS.span, "Centred-target protocol: span length in tokens (0 = L // 2).")
 flags.DEFINE_integer("bootstrap", _DEFAULTS.bootstrap, "Bootstrap resamples over documents for the 95% intervals.")
 flags.DEFINE_enum("attention_kernel", None, list(ATTENTION_KERNELS),
                   "Attention kernel of every model (default: each model's own): 'blockwise' keeps memory linear in "
@@ -176,7 +177,7 @@ def main(argv):
     settings = length_study.StudySettings(
         multiples=_ints("multiples"), extra=_ints("extra"), lengths=_ints("lengths"), policies=tuple(FLAGS.policies),
         methods=tuple(FLAGS.methods), protocols=tuple(FLAGS.protocols), mask_seed=FLAGS.mask_seed,
-        tokens_per_batch=FLAGS.tokens_per_batch, max_eval_tokens=FLAGS.max_eval_tokens, num_targets=FLAGS.num_targets,
+        tokens_per_batch=FLAGS.tokens_per_batch, max_eval_tokens=FLAGS.max_eval_tokens, num_spans=FLAGS.num_spans,
         span=FLAGS.span, bootstrap=FLAGS.bootstrap)
     for length in settings.lengths:
         if not packing.MIN_SEQ_LEN <= length <= packing.MAX_SEQ_LEN:

@@ -33,7 +33,7 @@ def get_config(arg: str = "cpu"):
         "Tiny masked-LM encoders (2 x 128, 4 heads, vocab 4096) trained at length 64 on Brown train; "
         "chunked loss/accuracy at 1x, 2x, 4x, 8x the training length (mean and 95% t-interval over seeds). "
         "Learned absolute tables (BERT, DeBERTa EMD) are shown with the 'clip' policy here; summary.md adds "
-        "the 'untrained' policy and the fixed-target protocol. A unigram-frequency floor is scored on the same "
+        "the 'untrained' policy and the centred-target protocol. A unigram-frequency floor is scored on the same "
         "targets.")
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")

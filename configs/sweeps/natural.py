@@ -186,7 +186,7 @@ def get_config(arg: str = ""):
         + ("(one seed: 95% bootstrap intervals over documents). " if len(seeds) == 1 else
            f"(mean of {len(seeds)} seeds with a 95% t-interval over seeds: results.json.gz has each seed). ")
         + "BERT's learned table is shown with the 'clip' policy here; summary.md has "
-        "'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor."
+        "'untrained' and 'interpolate' and the centred-target protocol. `unigram` is the context-free floor."
         + (" `<model>+<method>` is the model scored with a length method: `log_length` scales each query's scores "
            f"by log(keys seen) / log({seq_len}) past {seq_len} keys, `window` lets each query attend to the "
            f"{seq_len} positions around it, `window_global` also to its row's [CLS] and closing [SEP], "

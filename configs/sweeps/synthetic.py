@@ -29,7 +29,7 @@ def get_config(arg: str = "markov"):
         f"Masked-LM encoders (2 x 128, 4 heads) trained at length 64 on `synthetic:{task}:train`; chunked loss and "
         f"accuracy on `synthetic:{task}:test` at 1x, 2x, 4x, 8x the training length (mean and 95% t-interval over "
         "seeds). Learned absolute tables (BERT, DeBERTa's EMD) are shown with the 'clip' policy here; summary.md "
-        "adds 'untrained' and 'interpolate' and the fixed-target protocol. `unigram` is the context-free floor and "
+        "adds 'untrained' and 'interpolate' and the centred-target protocol. `unigram` is the context-free floor and "
         "`oracle` the Bayes-optimal prediction from each window's visible tokens, both on the same targets.")
     sweep.variants = variants.core() + variants.absolute_baselines()
     sweep.seeds = [0, 1, 2]

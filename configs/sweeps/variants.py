@@ -57,8 +57,8 @@ def eval_settings(data_files: dict, **changes) -> config_dict.ConfigDict:
     """The length study's settings every sweep shares (`deberta_jax.study.length_study.StudySettings`), with
     `changes`: 1x-8x the training length, every absolute-table policy, both protocols, 30k tokens per text."""
     settings = dict(data_files=data_files, multiples=[1, 2, 4, 8], extra=[],
-                    policies=["untrained", "clip", "interpolate"], protocols=["chunked", "fixed_target"],
-                    max_eval_tokens=30000, num_targets=32, bootstrap=1000, methods=[])
+                    policies=["untrained", "clip", "interpolate"], protocols=["chunked", "centred_target"],
+                    max_eval_tokens=30000, num_spans=256, bootstrap=1000, methods=[])
     settings.update(changes)
     return config_dict.ConfigDict(settings)
 
@@ -77,7 +77,7 @@ def shrink_to_smoke(sweep: config_dict.ConfigDict, **model) -> None:
     sweep.common_overrides.train.update(dict(num_steps=4, batch_size=4, warmup_steps=1, eval_every=4,
                                              checkpoint_every=4, log_every=2))
     sweep.eval.multiples = [1, 2]
-    sweep.eval.max_eval_tokens, sweep.eval.num_targets, sweep.eval.bootstrap = 3000, 8, 50
+    sweep.eval.max_eval_tokens, sweep.eval.num_spans, sweep.eval.bootstrap = 3000, 8, 50
 
 
 def recipe():

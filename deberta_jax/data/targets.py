@@ -9,9 +9,8 @@ length (`batches.eval_batches`), which is why the length study at 1x reproduces 
 Protocols:
   - chunked: the stream cut into consecutive `[CLS] ... [SEP]` windows of each length (the packing
     used for training), every target scored once per length;
-  - fixed-target: the same spans of target tokens placed at controlled offsets inside windows of every
-    length; at a fixed length the offset isolates "unseen positions", at a fixed offset the length
-    isolates "more context".
+  - centred-target: the same spans of target tokens at the centre of windows of every length, each window
+    inside the span's document, so a longer window only adds context on both sides of the same targets.
 """
 
 from __future__ import annotations
@@ -96,41 +95,62 @@ def chunked_windows(corpus: EvalCorpus, seq_len: int) -> Windows:
     return _windows_from_positions(corpus, stream_pos, attention_mask, corpus.targets[pos] & (stream_pos >= 0))
 
 
-def target_starts(corpus: EvalCorpus, max_len: int, span: int, num_targets: int) -> np.ndarray:
-    """Evenly spaced target spans with room for a window of `max_len` on either side."""
-    lo, hi = max_len, len(corpus.tokens) - max_len - span
-    if hi <= lo:
-        raise ValueError(
-            f"the eval text has {len(corpus.tokens)} tokens; the fixed-target protocol needs at least "
-            f"{2 * max_len + span + 1} for length {max_len}. Pass more eval text or smaller lengths.")
-    return np.linspace(lo, hi, num=min(num_targets, hi - lo + 1)).astype(np.int64)
+def document_bounds(corpus: EvalCorpus) -> tuple[np.ndarray, np.ndarray]:
+    """For every stream position, the first content position of its document and one past the last (its closing
+    [SEP] excluded)."""
+    ends = np.flatnonzero(corpus.tokens == corpus.special.sep)
+    ends = np.append(ends, len(corpus.tokens)) if not len(ends) or ends[-1] != len(corpus.tokens) - 1 else ends
+    firsts = np.concatenate([[0], ends[:-1] + 1])
+    doc = np.minimum(corpus.doc_ids, len(ends) - 1)
+    return firsts[doc], ends[doc]
 
 
-def fixed_target_windows(corpus: EvalCorpus, seq_len: int, offset: int, starts: np.ndarray, span: int) -> Windows:
-    """Windows of `seq_len` whose content position `offset` holds each target span.
+def centred_spans(corpus: EvalCorpus, train_len: int, span: int, count: int) -> np.ndarray:
+    """Up to `count` evenly spaced, disjoint target spans of `span` tokens, each inside one document with the
+    margin a window of `train_len` centred on it leaves on both sides (`(train_len - 2 - span) // 2` tokens).
 
-    Only the targets inside the span are scored; the rest of the window is clean context.
-    """
+    The margin keeps every target that far from its row's [CLS] and [SEP] at every length, so the window of the
+    training length is the middle of a training row rather than its edge. A text with fewer places gives fewer
+    spans (the records count the targets scored); one with none is refused."""
+    content = train_len - 2
+    if span < 1 or span > content:
+        raise ValueError(f"span={span}: a target span must fit in the {content} content tokens of the training "
+                         f"length {train_len}; give 1 to {content} (0 takes half the training length)")
+    margin = (content - span) // 2
+    firsts, ends = document_bounds(corpus)
+    pos = np.arange(len(corpus.tokens))
+    fits = (pos - margin >= firsts) & (pos + span + margin <= ends)
+    candidates = np.flatnonzero(fits)
+    if not len(candidates):
+        longest = int((ends - firsts).max()) if len(pos) else 0
+        raise ValueError(f"the eval text's longest document has {longest} tokens; the centred-target protocol needs a "
+                         f"document of at least {span + 2 * margin} to centre a span of {span} in a window of "
+                         f"{train_len}. Pass longer documents or a shorter span.")
+    # Disjoint: spans at least `span` candidates apart (candidates are increasing stream positions).
+    count = max(1, min(count, len(candidates) // span))
+    return candidates[np.linspace(0, len(candidates) - 1, num=count).round().astype(np.int64)]
+
+
+def centred_windows(corpus: EvalCorpus, seq_len: int, starts: np.ndarray, span: int) -> Windows:
+    """Windows of `seq_len` around each target span (`centred_spans`), inside the span's document.
+
+    The window is centred on the span, so a longer window adds keys on both sides; near a document's end it is
+    shifted to stay inside the document (the keys then come from one side), and a document shorter than the
+    window fills the row whole, with padding after its [SEP] (a longer window adds nothing there). Only the
+    targets inside the span are scored; the rest of the window is clean context."""
     check_seq_len(seq_len)
     content = seq_len - 2
-    if offset < 0 or offset + span > content:
-        raise ValueError(f"offset {offset} + span {span} does not fit length {seq_len}")
-    begin = starts - offset
+    firsts, ends = document_bounds(corpus)
+    first, end = firsts[starts], ends[starts]
+    begin = np.clip(starts - (content - span) // 2, first, np.maximum(end - content, first))
+    offsets = np.arange(content)[None, :]
+    inside = begin[:, None] + offsets < end[:, None]
     stream_pos = np.full((len(starts), seq_len), -1, dtype=np.int64)
-    stream_pos[:, 1:-1] = begin[:, None] + np.arange(content)[None, :]
-    in_span = np.zeros(seq_len, dtype=bool)
-    in_span[1 + offset: 1 + offset + span] = True
+    stream_pos[:, 1:-1] = np.where(inside, begin[:, None] + offsets, -1)
+    # [CLS], the document's tokens, then [SEP]; the cells after it are padding.
+    mask = np.zeros((len(starts), seq_len), dtype=np.int32)
+    mask[np.arange(seq_len)[None, :] <= 1 + inside.sum(axis=1)[:, None]] = 1
     pos = np.maximum(stream_pos, 0)
-    scored = in_span[None, :] & corpus.targets[pos] & (stream_pos >= 0)
-    mask = np.ones((len(starts), seq_len), dtype=np.int32)
+    in_span = (stream_pos >= starts[:, None]) & (stream_pos < starts[:, None] + span)
+    scored = in_span & corpus.targets[pos] & (stream_pos >= 0)
     return _windows_from_positions(corpus, stream_pos, mask, scored)
-
-
-def default_offsets(train_len: int, seq_len: int, span: int) -> list[int]:
-    """Offsets (in content positions) at 0, L/2, L - span, L, 2L, 4L, ... that fit in `seq_len`."""
-    candidates = {0, train_len // 2, max(train_len - 2 - span, 0)}
-    k = train_len
-    while k + span <= seq_len - 2:
-        candidates.add(k)
-        k *= 2
-    return sorted(o for o in candidates if o + span <= seq_len - 2)

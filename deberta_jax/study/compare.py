@@ -12,9 +12,12 @@ run by run, though each report only holds its own runs. Two views:
 - **chunked rise**: each seed's loss at every multiple of L minus its own loss at 1x (negative: the longer inputs
   are easier), with the 1x loss against `--baseline`'s at the same seed (what a training recipe costs where
   nothing is extrapolated);
-- **fixed targets**: the loss of the same target spans, placed L/2 into windows of every length, by window length.
+- **fixed targets**: the loss of the same target spans at the centre of windows of every length, inside their
+  document (`centred_target`), by window length, with the paired change from the window of L and its interval.
   Falling means the model uses the extra keys (context), flat means it behaves like a window of L, rising means the
-  extra keys hurt. The verdict compares the longest window with the window of L, at `--flat_within` nats.
+  extra keys hurt. The verdict compares the longest window with the window of L, at `--flat_within` nats. Results
+  scored before that protocol hold the retired `fixed_target` one (spans L/2 into each window, across documents),
+  shown as such.
 
 Writes `compare.md` and `fixed_targets.png` into `--out`, and prints the markdown.
 """
@@ -63,7 +66,7 @@ def load(paths: list[str], models: list[str], policy: str = DEFAULT_POLICY) -> p
         frame = report.load_results(path)
         labels.update(frame["model"].unique())
         # Each seed's own records: the file's means over seeds are recomputed here, over the seeds compared.
-        paired = frame["metric"].str.startswith(report.CONTEXT_USE)
+        paired = report.is_paired(frame["metric"])
         frame = frame[frame["model"].isin(models) & ((frame["metric"] == "loss") | paired) & (frame["bucket"] == "all")
                       & frame["policy"].isin(["none", policy]) & frame["seed"].map(lambda s: isinstance(s, int))]
         frames.append(frame.assign(results=path))
@@ -102,11 +105,17 @@ def chunked_rises(records: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     return pd.concat([table, means]).sort_index(level=["dataset", "model"], sort_remaining=False)
 
 
+# The fixed-target protocols by window length: the centred one, and the retired one's spans L/2 into each window.
+FIXED_PROTOCOLS = ("centred_target", "fixed_target")
+
+
 def fixed_targets(records: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds of the loss of the targets placed L/2 into each window, by window length."""
-    fixed = records[(records["protocol"] == "fixed_target") & (records["offset"] == records["train_len"] // 2)
-                    & (records["metric"] == "loss")]
-    return fixed.pivot_table(index=["dataset", "model"], columns="eval_len", values="value", aggfunc="mean")
+    """Mean over seeds of the loss of the same targets by window length, per protocol (`FIXED_PROTOCOLS`)."""
+    centred = records["protocol"] == FIXED_PROTOCOLS[0]
+    retired = (records["protocol"] == FIXED_PROTOCOLS[1]) & (records["offset"] == records["train_len"] // 2)
+    fixed = records[(centred | retired) & (records["metric"] == "loss")]
+    return fixed.pivot_table(index=["dataset", "protocol", "model"], columns="eval_len", values="value",
+                             aggfunc="mean")
 
 
 def verdicts(fixed: pd.DataFrame, flat_within: float) -> pd.Series:
@@ -129,8 +138,10 @@ def plot(fixed: pd.DataFrame, path: str) -> None:
     datasets = fixed.index.get_level_values("dataset").unique()
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
-        for model, row in fixed.xs(dataset, level="dataset").iterrows():
-            ax.plot(row.index, row.values, marker="o", label=model)
+        for (protocol, model), row in fixed.xs(dataset, level="dataset").iterrows():
+            retired = protocol != FIXED_PROTOCOLS[0]
+            ax.plot(row.index, row.values, marker="o", linestyle="--" if retired else "-",
+                    label=f"{model} ({protocol})" if retired else model)
         ax.set(xlabel="window length (tokens)", ylabel="loss of the same targets (nats)", title=dataset)
         # Base 2 with only the window lengths marked: base 10's minor labels (2 x 10^2, ...) would overprint them.
         ax.set_xscale("log", base=2)
@@ -143,16 +154,16 @@ def plot(fixed: pd.DataFrame, path: str) -> None:
     plt.close(fig)
 
 
-def context_use(records: pd.DataFrame) -> list[str]:
-    """The paired context-use measure of the compared models (each seed's record and the mean over the seeds
-    compared, its documents resampled jointly), or a line saying why there is none."""
-    paired = records[records["metric"].str.startswith(report.CONTEXT_USE)]
-    if paired.empty:
+def paired(records: pd.DataFrame) -> list[str]:
+    """The paired measures of the compared models (each seed's record and the mean over the seeds compared, its
+    documents resampled jointly), or a line saying why there are none."""
+    runs = records[report.is_paired(records["metric"])]
+    if runs.empty:
         return ["## Context use past L", "", "No paired records: score each model with full attention and with "
                 "`--methods window_global` (or `window`) in one study; the measure is formed from per-document "
                 "sums of the same targets, never from two runs' overall losses.", ""]
-    runs = paired.drop(columns="results")
-    return report.context_use_markdown(pd.concat([runs, report.aggregate_seeds(runs)], ignore_index=True))
+    runs = runs.drop(columns="results")
+    return report.paired_markdown(pd.concat([runs, report.aggregate_seeds(runs)], ignore_index=True))
 
 
 def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float, paired: list[str] = ()) -> str:
@@ -163,13 +174,16 @@ def markdown(rises: pd.DataFrame, fixed: pd.DataFrame, flat_within: float, paire
         cells[column] = cells[column].map(lambda v, signed=signed: f"{v:+.3f}" if signed else f"{v:.3f}")
     lines.append(report.markdown_table(cells.reset_index()))
     if fixed.empty:
-        return "\n".join([*lines, "", "No fixed-target records (eval.py --protocols fixed_target) to compare."]) + "\n"
+        none = "No fixed-target records (eval.py --protocols centred_target) to compare."
+        return "\n".join([*lines, "", none]) + "\n"
     table = fixed.copy()
     table.columns = [str(c) for c in table.columns]
     table = table.map(lambda v: "" if pd.isna(v) else f"{v:.3f}")
     table["longest - L"] = verdicts(fixed, flat_within)
-    lines += ["", f"## Fixed targets placed L/2 into windows of every length (mean of seeds; flat within "
-              f"{flat_within} nats)", "", report.markdown_table(table.reset_index())]
+    lines += ["", f"## The same targets in windows of every length (mean of seeds; flat within {flat_within} nats)",
+              "", "`centred_target`: spans at the centre of each window, inside their document (the paired change "
+              "from L, with its interval, is under context gain above); `fixed_target`: the retired protocol, spans "
+              "L/2 into each window, across documents.", "", report.markdown_table(table.reset_index())]
     return "\n".join(lines) + "\n"
 
 
@@ -183,7 +197,7 @@ def main(argv):
     models = FLAGS.models + ([FLAGS.baseline] if FLAGS.baseline and FLAGS.baseline not in FLAGS.models else [])
     records = load(FLAGS.results, models, FLAGS.policy)
     rises, fixed = chunked_rises(records, FLAGS.baseline), fixed_targets(records)
-    text = markdown(rises, fixed, FLAGS.flat_within, context_use(records))
+    text = markdown(rises, fixed, FLAGS.flat_within, paired(records))
     print(text)
     if FLAGS.out:
         storage.write_text(os.path.join(FLAGS.out, "compare.md"), text)

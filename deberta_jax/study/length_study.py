@@ -331,8 +331,10 @@ class StudySettings:
     mask_seed: int = 0
     tokens_per_batch: int = 16384
     max_eval_tokens: int = 0  # 0 = the whole stream
-    num_targets: int = 64
-    span: int = 0  # fixed-target span; 0 = train_len // 4
+    # Centred-target protocol: spans of `span` tokens (0: half the training length), as many as the text holds up to
+    # `num_spans`: 256 spans of 32 tokens at L = 64 hold about 1,200 targets at the 15% masking rate.
+    num_spans: int = 256
+    span: int = 0
     bootstrap: int = 1000
     buckets_per_train_len: int = 8
     methods: tuple[str, ...] = ()  # of LENGTH_METHODS, each scored besides the model as trained
@@ -373,11 +375,11 @@ class StudySettings:
                                  "([CLS] + tokens + [SEP])")
         if any(m <= 0 for m in self.multiples):
             raise ValueError("multiples must be positive")
-        if self.num_targets < 1:
-            raise ValueError(f"num_targets={self.num_targets}: the fixed-target protocol needs at least one target "
+        if self.num_spans < 1:
+            raise ValueError(f"num_spans={self.num_spans}: the centred-target protocol needs at least one target "
                              "span; pass 1 or more")
         if self.span < 0:
-            raise ValueError(f"span={self.span}: pass a span length in tokens, or 0 for a quarter of each training "
+            raise ValueError(f"span={self.span}: pass a span length in tokens, or 0 for half of each training "
                              "length")
         for m in self.methods:
             if m not in LENGTH_METHODS:
@@ -440,6 +442,8 @@ def _records(em: EvalModel, sums: scoring.Sums, resamples: np.ndarray, **key) ->
 
 # The length methods that hide keys past a window of the training length: what the paired measure compares with.
 WINDOW_METHODS = ("window", "window_global")
+# Protocols that score the same targets at every length, so a model's losses at two lengths pair.
+SAME_TARGETS_PROTOCOLS = ("centred_target",)
 
 
 def context_use_records(scored: dict, resamples: dict[str, np.ndarray]) -> list[dict]:
@@ -463,13 +467,41 @@ def context_use_records(scored: dict, resamples: dict[str, np.ndarray]) -> list[
         if not np.array_equal(count, full_count):
             raise ValueError(f"{em.label} and {full_em.label} ({dataset}, length {eval_len}, {protocol}) were scored "
                              "on different targets, so their losses do not pair; score both in one study")
-        diff = full_loss - loss
-        lo, hi = scoring.bootstrap_ratio_ci(diff, count, resamples[dataset])
-        out.append(dict(full_em.identity(), train_len=full_em.train_len, multiple=eval_len / full_em.train_len,
-                        policy=policy, dataset=dataset, eval_len=eval_len, protocol=protocol, offset=offset,
-                        bucket="all", metric=report.CONTEXT_USE + method,
-                        value=float(diff.sum() / max(count.sum(), 1)), ci_low=lo, ci_high=hi,
-                        n_tokens=int(count.sum()), doc_diff=diff.tolist(), doc_count=count.tolist()))
+        out.append(_paired_record(full_em, tuple(unit[2:]), report.CONTEXT_USE + method, full_loss - loss, count,
+                                  resamples[dataset]))
+    return out
+
+
+def _paired_record(em: EvalModel, unit: tuple, metric: str, diff: np.ndarray, count: np.ndarray,
+                   resamples: np.ndarray) -> dict:
+    """A paired measure's record: `diff` (per-document loss sums on the same targets) over `count`, with its
+    bootstrap interval over documents and the per-document sums for the interval over seeds."""
+    dataset, policy, eval_len, protocol, offset = unit
+    lo, hi = scoring.bootstrap_ratio_ci(diff, count, resamples)
+    return dict(em.identity(), train_len=em.train_len, multiple=eval_len / em.train_len, policy=policy,
+                dataset=dataset, eval_len=eval_len, protocol=protocol, offset=offset, bucket="all", metric=metric,
+                value=float(diff.sum() / max(count.sum(), 1)), ci_low=lo, ci_high=hi, n_tokens=int(count.sum()),
+                doc_diff=diff.tolist(), doc_count=count.tolist())
+
+
+def context_gain_records(scored: dict, resamples: dict[str, np.ndarray]) -> list[dict]:
+    """`report.CONTEXT_GAIN`: for a protocol that scores the same targets at every length (`centred_target`), each
+    model's loss of them in the window of N minus in the window of its training length, summed per document, with
+    a paired bootstrap interval over documents. Negative: the wider context makes the same targets easier. Its
+    interval's half-width is the smallest difference the protocol resolves at the number of targets scored. The
+    unigram floor reads no context, so it has none."""
+    out = []
+    for key, (em, loss, count) in scored.items():
+        source, seed, dataset, policy, eval_len, protocol, offset, method = key
+        at_l = scored.get((source, seed, dataset, policy, em.train_len, protocol, offset, method))
+        if (protocol not in SAME_TARGETS_PROTOCOLS or at_l is None or eval_len == em.train_len
+                or isinstance(em.model, UnigramModel)):
+            continue
+        if not np.array_equal(count, at_l[2]):
+            raise ValueError(f"{em.label} ({dataset}, {protocol}) scored different targets at lengths {eval_len} and "
+                             f"{em.train_len}, so their losses do not pair")
+        out.append(_paired_record(em, (dataset, policy, eval_len, protocol, offset), report.CONTEXT_GAIN,
+                                  loss - at_l[1], count, resamples[dataset]))
     return out
 
 
@@ -592,7 +624,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
         for em in models:
             lengths = settings.lengths_for(em.train_len)
             bucket_width = max(em.train_len // settings.buckets_per_train_len, 1)
-            span = settings.span or max(em.train_len // 4, 1)
+            span = settings.span or max(em.train_len // 2, 1)
             for dataset, documents in datasets.items():
                 if em.dataset not in (None, dataset):
                     continue
@@ -622,7 +654,7 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                         f"{max(lengths)}; pass a longer eval text or smaller multiples / lengths")
                 resamples = resamples_of[dataset] = scoring.document_resamples(corpus.num_docs, settings.bootstrap)
                 chosen = [protocols.get(name) for name in settings.protocols]
-                starts = (targets.target_starts(corpus, max(lengths), span, settings.num_targets)
+                starts = (targets.centred_spans(corpus, em.train_len, span, settings.num_spans)
                           if any(p.needs_starts for p in chosen) else None)
                 for policy in policies_for(em.model, settings.policies):
                     scorer = scorer_for(em.model, policy)
@@ -649,9 +681,10 @@ def run_study(models: Sequence[EvalModel], datasets: dict[str, list[str]], setti
                                 records += [r for r in _records(em, sums, resamples, protocol=protocol.name,
                                                                 offset=offset, **common)
                                             if protocol.per_position or r["bucket"] == "all"]
-                            if not scored:  # e.g. a fixed-target span longer than the window
+                            if not scored:  # e.g. a target span longer than the window
                                 skipped.append(dict(em.identity(), **common, reason=(
                                     f"{protocol.name}: no window of {eval_len} tokens holds a target span of {span}")))
     finally:
         progress.close()
-    return add_relative_change(records) + context_use_records(per_document, resamples_of), skipped
+    return (add_relative_change(records) + context_use_records(per_document, resamples_of)
+            + context_gain_records(per_document, resamples_of), skipped)

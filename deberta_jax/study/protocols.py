@@ -29,15 +29,15 @@ class Setting:
     corpus: EvalCorpus
     eval_len: int
     train_len: int
-    span: int  # fixed-target span
-    starts: np.ndarray | None  # stream positions of the fixed target spans (`targets.target_starts`), shared by lengths
+    span: int  # centred-target span
+    starts: np.ndarray | None  # stream positions of the target spans (`targets.centred_spans`), shared by lengths
 
 
 @dataclasses.dataclass(frozen=True)
 class Protocol:
     """An evaluation protocol: `windows(setting)` yields `(offset, windows)` pairs to score (offset None when the
     protocol has none); `per_position` keeps the loss per position bucket; `needs_starts` asks the study for the
-    fixed target spans; `layout` (`LAYOUTS`) is the summary table's."""
+    target spans; `layout` (`LAYOUTS`) is the summary table's."""
 
     name: str
     description: str
@@ -51,20 +51,22 @@ def _chunked(setting: Setting):
     yield None, targets.chunked_windows(setting.corpus, setting.eval_len)
 
 
-def _fixed_target(setting: Setting):
-    for offset in targets.default_offsets(setting.train_len, setting.eval_len, setting.span):
-        yield offset, targets.fixed_target_windows(setting.corpus, setting.eval_len, offset, setting.starts,
-                                                   setting.span)
+def _centred_target(setting: Setting):
+    if setting.eval_len - 2 >= setting.span:  # a shorter window cannot hold the whole span: nothing to score
+        yield None, targets.centred_windows(setting.corpus, setting.eval_len, setting.starts, setting.span)
 
 
 PROTOCOLS = {
     "chunked": Protocol(
         "chunked", "the stream cut into consecutive windows of each length, every target scored once per length",
         _chunked, layout="by_length", per_position=True),
-    "fixed_target": Protocol(
-        "fixed_target", "the same target spans placed at controlled offsets inside windows of every length",
-        _fixed_target, layout="by_offset", needs_starts=True),
+    "centred_target": Protocol(
+        "centred_target", "the same target spans at the centre of windows of every length, inside their document",
+        _centred_target, layout="by_length", needs_starts=True),
 }
+# Protocols no longer scored whose records committed results still hold, with the layout they were reported in:
+# `fixed_target` placed its spans at offsets 0, L/2, L, 2L... from each window's start, across documents.
+RETIRED_LAYOUTS = {"fixed_target": "by_offset"}
 
 
 def get(name: str) -> Protocol:
@@ -74,5 +76,5 @@ def get(name: str) -> Protocol:
 
 
 def layout_of(name: str) -> str:
-    """The summary layout of protocol `name`; results of a protocol no longer registered are shown by length."""
-    return PROTOCOLS[name].layout if name in PROTOCOLS else "by_length"
+    """The summary layout of protocol `name`: its registry entry's, a retired one's, or by length."""
+    return PROTOCOLS[name].layout if name in PROTOCOLS else RETIRED_LAYOUTS.get(name, "by_length")

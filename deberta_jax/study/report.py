@@ -56,6 +56,9 @@ DERIVED_METRICS = ("gap_closed",)
 # model's loss with full attention minus its loss with that window, on the same targets; its records carry the
 # per-document sums (`PAIRED_COLUMNS`) that the interval over seeds resamples.
 CONTEXT_USE = "context_use:"
+# The other paired measure (`length_study.context_gain_records`): a model's loss of the same targets in a window of N
+# minus in the window of its training length, for protocols that score the same targets at every length.
+CONTEXT_GAIN = "context_gain"
 PAIRED_COLUMNS = ("doc_diff", "doc_count")
 # Resamples of the documents for an interval pooled over seeds (`length_study.StudySettings.bootstrap`'s default).
 BOOTSTRAP_RESAMPLES = 1000
@@ -427,27 +430,46 @@ def _grid(cells: pd.DataFrame, index: list[str], column: str | list[str], column
     return wide.reindex(columns=list(columns)).astype(object).fillna("–").reset_index()
 
 
-def context_use_markdown(records: Iterable[dict] | pd.DataFrame, digits: int = 3) -> list[str]:
-    """Markdown of the paired context-use measure (`CONTEXT_USE`): per dataset, protocol and window method, one row
+def is_paired(metric: pd.Series) -> pd.Series:
+    """Which records are of a paired measure (they carry per-document sums)."""
+    return metric.str.startswith(CONTEXT_USE) | (metric == CONTEXT_GAIN)
+
+
+def paired_markdown(records: Iterable[dict] | pd.DataFrame, digits: int = 3) -> list[str]:
+    """Markdown of the paired measures (`CONTEXT_USE`, `CONTEXT_GAIN`): per dataset, protocol and measure, one row
     per model, policy and seed (each run's bootstrap interval over documents; "mean": the documents resampled
-    jointly over the seeds), one column per eval length. Empty without such records."""
+    jointly over the seeds), one column per eval length, and the row's largest interval half-width: the smallest
+    difference it resolves at the number of targets scored. Empty without such records."""
     frame = records_frame(records)
-    paired = frame[frame["metric"].str.startswith(CONTEXT_USE) & (frame["bucket"] == "all")
+    paired = frame[is_paired(frame["metric"]) & (frame["bucket"] == "all")
                    & (frame["protocol"].map(protocols.layout_of) != "by_offset")]
     lines = []
     for (dataset, protocol, metric), rows in paired.groupby(["dataset", "protocol", "metric"], sort=True):
+        per_seed = rows["n_tokens"] / (rows["n_seeds"].astype("float64").fillna(1) if "n_seeds" in rows else 1)
         rows = rows.assign(seed=rows["seed"].astype(str), label=_length_labels(rows), cell=_cells(rows, digits),
-                           ratio=rows["eval_len"] / rows["train_len"])
+                           ratio=rows["eval_len"] / rows["train_len"], half=(rows["ci_high"] - rows["ci_low"]) / 2,
+                           per_seed=per_seed)
         labels = rows.sort_values(["ratio", "label"])["label"].unique()
         index = ["model", "policy", "train_len", "seed"]
         order = rows[index].drop_duplicates().assign(last=lambda r: r["seed"] == "mean").sort_values(
             ["model", "policy", "train_len", "last", "seed"])
         table = _grid(rows, index, "label", labels, order).rename(columns={"train_len": "L"})
-        method = metric[len(CONTEXT_USE):]
-        lines += [f"## {dataset}: {protocol}, context use past L: loss with full attention minus with {method}", "",
-                  f"The same model on the same windows and targets, summed per document; negative: the keys that "
-                  f"{method} hides lower the loss. 95% bootstrap interval over documents, paired (per seed; over "
-                  "seeds the documents resampled jointly).", "", markdown_table(table), ""]
+        widths = rows.groupby(index).agg(half=("half", "max"), targets=("per_seed", "max"))
+        keys = [tuple(key) for key in order[index].itertuples(index=False)]
+        table["resolves (nats)"] = [f"{widths['half'].get(key, float('nan')):.3f}" for key in keys]
+        table["targets"] = [f"{widths['targets'].get(key, float('nan')):.0f}" for key in keys]
+        if metric == CONTEXT_GAIN:
+            title = f"## {dataset}: {protocol}, context gain: loss of the same targets at N minus at L"
+            what = ("the targets' loss in the window of N minus in the window of L; negative: the wider context "
+                    "makes the same targets easier.")
+        else:
+            method = metric[len(CONTEXT_USE):]
+            title = f"## {dataset}: {protocol}, context use past L: loss with full attention minus with {method}"
+            what = f"its loss with full attention minus with {method}; negative: the keys that {method} hides lower it."
+        lines += [title, "", f"The same model on the same windows and targets, summed per document: {what} 95% "
+                  "bootstrap interval over documents, paired (per seed; over seeds the documents resampled jointly). "
+                  "`resolves`: the row's largest interval half-width, the smallest difference its target count "
+                  "resolves; `targets`: targets scored per seed.", "", markdown_table(table), ""]
     return lines
 
 
@@ -461,7 +483,7 @@ def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dic
     """Per dataset, a table for every protocol in `means`, laid out as its registry entry says
     (`protocols.layout_of`): loss and accuracy by eval length, or loss by offset of the target span. `notes` are
     warnings at the top, `checkpoints` (`checkpoint_steps`) the steps scored; with the per-seed records `runs`, the
-    paired context-use measure per seed and over seeds (`context_use_markdown`)."""
+    paired measures per seed and over seeds (`paired_markdown`)."""
     means = records_frame(means)
     lines = ["# Length extrapolation", ""] + [f"> **Warning.** {note}\n" for note in notes] + [
              "Mean over seeds with 95% interval (t-interval over seeds; bootstrap over documents for one seed; "
@@ -479,7 +501,7 @@ def markdown_summary(means: Iterable[dict] | pd.DataFrame, skipped: Sequence[dic
             else:
                 lines += _by_length(rows, f"{dataset}: {protocol}")
     if runs is not None:
-        lines += context_use_markdown(pd.concat([records_frame(runs), means], ignore_index=True))
+        lines += paired_markdown(pd.concat([records_frame(runs), means], ignore_index=True))
     if skipped:
         lines += ["## Not evaluated", ""]
         reasons = (pd.DataFrame(list(skipped)).reindex(columns=["model", "policy", "eval_len", "reason"])

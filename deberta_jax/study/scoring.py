@@ -29,7 +29,7 @@ def score_function(graphdef: nnx.GraphDef):
     study's forward pass (`deberta_jax.aot` compiles it for TPU slices).
 
     Only the flat positions `positions` of the `[B, N]` batch go through the MLM head (`MaskedLM.head_at`, as in
-    training): evaluation scores about 15% of positions (chunked) or far fewer (fixed-target).
+    training): evaluation scores about 15% of positions (chunked) or fewer (centred-target).
     """
     def score(state, ids, mask, positions, labels):
         model = nnx.merge(graphdef, state)
@@ -57,7 +57,7 @@ def scored_count(num_tokens: int, num_targets: int) -> int:
 
     A bound fixed by the batch shape (training's `prediction_budget` at the evaluation masking rate,
     far above what any batch holds), so one compile serves every batch of a length, chunked or
-    fixed-target; a batch past it (a corpus masked at a higher rate) rounds up to a multiple of 64.
+    centred-target; a batch past it (a corpus masked at a higher rate) rounds up to a multiple of 64.
     """
     budget = steps.prediction_budget(num_tokens, EVAL_MASK_PROB)
     return budget if num_targets <= budget else -(-num_targets // 64) * 64

@@ -386,7 +386,7 @@ def study_settings(sweep: config_dict.ConfigDict) -> length_study.StudySettings:
     ev = sweep.eval
     return length_study.StudySettings(
         multiples=tuple(ev.multiples), extra=tuple(ev.extra), policies=tuple(ev.policies),
-        protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_targets=ev.num_targets,
+        protocols=tuple(ev.protocols), max_eval_tokens=ev.max_eval_tokens, num_spans=ev.num_spans,
         bootstrap=ev.bootstrap, methods=tuple(ev.methods))
 
 
@@ -505,9 +505,9 @@ def evaluate_and_report(sweep: config_dict.ConfigDict, runs: list[dict], mode: s
         sweep.description, "",
         f"Runs: {len(done)} finished" + (f"; missing: {', '.join(missing)}" if missing else "") + ".", "",
         report.ablation_table(means, sweep.table_policy, sweep.eval.multiples), "",
-        *report.context_use_markdown(pd.concat([report.records_frame(records), means], ignore_index=True)),
+        *report.paired_markdown(pd.concat([report.records_frame(records), means], ignore_index=True)),
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots], "",
-        "Full tables (fixed-target protocol, every policy, intervals): [summary.md](summary.md); "
+        "Full tables (centred-target protocol, every policy, intervals): [summary.md](summary.md); "
         "raw records: [results.json.gz](results.json.gz) (`deberta_jax.study.report.load_results`).", "",
         "## What each run trained", "", trained_table(done), "",
         "## Sweep configuration", "", "```json", json.dumps(sweep.to_dict(), indent=1, default=str), "```", "",

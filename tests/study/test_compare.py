@@ -12,23 +12,26 @@ from deberta_jax.study import compare, report
 L = 64
 
 
-def records(model, seed, one_x, rises, fixed, policy="none"):
-    """Chunked loss at 1x and at each multiple (1x + rise), and fixed-target loss L/2 into windows of each length."""
+def records(model, seed, one_x, rises, fixed, policy="none", protocol="centred_target"):
+    """Chunked loss at 1x and at each multiple (1x + rise), and the loss of the same targets in windows of each
+    length: centred, or (`fixed_target`, results scored before the centred protocol) L/2 into each window, beside
+    another offset that must not be read."""
     base = dict(model=model, seed=seed, source=f"runs/{model}-s{seed}", step=100, train_len=L, policy=policy,
                 dataset="brown/valid", bucket="all", metric="loss", ci_low=None, ci_high=None, n_tokens=100)
     out = [dict(base, multiple=1.0, protocol="chunked", offset=None, eval_len=L, value=one_x)]
     out += [dict(base, multiple=float(m), protocol="chunked", offset=None, eval_len=L * m, value=one_x + r)
             for m, r in rises.items()]
-    out += [dict(base, multiple=n / L, protocol="fixed_target", offset=L // 2, eval_len=n, value=v)
-            for n, v in fixed.items()]
-    out += [dict(base, multiple=2.0, protocol="fixed_target", offset=0, eval_len=2 * L, value=99.0)]  # another offset
+    offset = L // 2 if protocol == "fixed_target" else None
+    out += [dict(base, multiple=n / L, protocol=protocol, offset=offset, eval_len=n, value=v) for n, v in fixed.items()]
+    if protocol == "fixed_target":
+        out += [dict(base, multiple=2.0, protocol=protocol, offset=0, eval_len=2 * L, value=99.0)]
     return out
 
 
 @pytest.fixture
 def studies(tmp_path):
-    first = records("plain", 0, 3.70, {2: 0.1, 4: 0.5}, {64: 4.0, 128: 4.2, 256: 4.5})
-    first += records("plain", 1, 3.80, {2: 0.2, 4: 0.7}, {64: 4.0, 128: 4.2, 256: 4.5})
+    first = records("plain", 0, 3.70, {2: 0.1, 4: 0.5}, {64: 4.0, 128: 4.2, 256: 4.5}, protocol="fixed_target")
+    first += records("plain", 1, 3.80, {2: 0.2, 4: 0.7}, {64: 4.0, 128: 4.2, 256: 4.5}, protocol="fixed_target")
     second = records("recipe", 0, 3.71, {2: -0.05, 4: -0.10}, {64: 4.0, 128: 3.95, 256: 3.9})
     second += records("recipe", 1, 3.82, {2: -0.03, 4: -0.12}, {64: 4.0, 128: 3.99, 256: 3.99})
     report.write_results(first, [], str(tmp_path / "far"))
@@ -48,9 +51,9 @@ def test_rises_and_costs_are_per_seed_then_averaged(studies):
 def test_fixed_targets_say_whether_the_extra_keys_help(studies):
     fixed = compare.fixed_targets(compare.load(studies, ["plain", "recipe"]))
     verdict = compare.verdicts(fixed, flat_within=0.02)
-    assert verdict[("brown/valid", "plain")] == "+0.500: rises"
-    assert verdict[("brown/valid", "recipe")] == "-0.055: falls"
-    assert compare.verdicts(fixed, flat_within=0.06)[("brown/valid", "recipe")] == "-0.055: flat"
+    assert verdict[("brown/valid", "fixed_target", "plain")] == "+0.500: rises"  # its offset L/2 only
+    assert verdict[("brown/valid", "centred_target", "recipe")] == "-0.055: falls"
+    assert compare.verdicts(fixed, flat_within=0.06)[("brown/valid", "centred_target", "recipe")] == "-0.055: flat"
 
 
 def test_verdicts_of_models_of_other_lengths_read_their_own_windows():
@@ -104,12 +107,12 @@ def test_context_use_per_seed_and_pooled_over_the_seeds_compared(studies, tmp_pa
              paired("recipe", 1, [-1.0, -2.0, -1.0, -2.0], [10, 10, 10, 10])]
     report.write_results(rows, [], str(tmp_path / "paired"))
     loaded = compare.load([str(tmp_path / "paired")], ["recipe"])
-    text = "\n".join(compare.context_use(loaded))
+    text = "\n".join(compare.paired(loaded))
     lo, hi = report.pooled_interval(loaded[loaded["metric"].str.startswith(report.CONTEXT_USE)])
     assert "| recipe | none | 64 | 0 | -0.138 [-0.148, -0.128] |" in text
     assert f"| recipe | none | 64 | mean | -0.144 [{lo:.3f}, {hi:.3f}] |" in text
     assert lo < -0.144 < hi
-    assert "No paired records" in compare.context_use(compare.load(studies, ["plain"]))[2]
+    assert "No paired records" in compare.paired(compare.load(studies, ["plain"]))[2]
 
 
 def test_the_command_writes_the_tables_and_the_plot(studies, tmp_path):
@@ -146,4 +149,4 @@ def test_a_report_written_by_the_study_is_read_seed_by_seed(tmp_path):
     rises = compare.chunked_rises(loaded, None).xs(("brown/valid", "plain"))
     assert list(rises.index) == [0, 1, "mean"]
     assert rises.loc["mean", "rise 2x"] == pytest.approx(0.2)
-    assert compare.fixed_targets(loaded).loc[("brown/valid", "plain"), 128] == pytest.approx(4.3)
+    assert compare.fixed_targets(loaded).loc[("brown/valid", "centred_target", "plain"), 128] == pytest.approx(4.3)

@@ -66,33 +66,78 @@ def test_chunked_windows_use_the_training_packing(corpus):
     np.testing.assert_array_equal(w.labels[w.weights > 0], corpus.tokens[w.stream_pos[w.weights > 0]])
 
 
-def test_fixed_target_scores_the_same_tokens_at_every_length_and_offset(corpus):
-    span = 8
-    starts = targets.target_starts(corpus, 128, span, 32)
-    reference = None
+def test_centred_targets_are_the_same_at_every_length_with_keys_added_on_both_sides(corpus):
+    span, train_len = 8, 16
+    margin = (train_len - 2 - span) // 2
+    starts = targets.centred_spans(corpus, train_len, span, 32)
+    assert len(starts) == 32 and (np.diff(starts) >= span).all()  # disjoint spans
+    firsts, ends = targets.document_bounds(corpus)
+    reference, previous = None, None
     for n in (16, 32, 128):
-        for offset in targets.default_offsets(16, n, span):
-            w = targets.fixed_target_windows(corpus, n, offset, starts, span)
-            got = scored_positions(w)
-            reference = got if reference is None else reference
-            np.testing.assert_array_equal(got, reference)
-            cols = np.nonzero(w.weights.any(axis=0))[0]
-            assert cols.min() >= 1 + offset and cols.max() < 1 + offset + span
+        w = targets.centred_windows(corpus, n, starts, span)
+        got = scored_positions(w)
+        reference = got if reference is None else reference
+        np.testing.assert_array_equal(got, reference)
+        real = w.stream_pos >= 0
+        lo = np.where(real, w.stream_pos, np.iinfo(np.int64).max).min(axis=1)
+        hi = np.where(real, w.stream_pos, -1).max(axis=1)
+        # Inside the span's document, and every target at least the margin away from [CLS] and [SEP].
+        assert (lo >= firsts[starts]).all() and (hi < ends[starts]).all()
+        cols = np.nonzero(w.weights)[1]
+        sep_col = 1 + real.sum(axis=1)
+        assert cols.min() >= 1 + margin and (sep_col[np.nonzero(w.weights)[0]] - cols > margin).all()
+        if n == train_len:  # centred at the training length: the margin on both sides
+            np.testing.assert_array_equal(lo, starts - margin)
+        if previous is not None:  # a longer window only adds keys, on both sides where the document has them
+            assert (lo <= previous[0]).all() and (hi >= previous[1]).all()
+            side = (n - 2 - span) // 2
+            both = (starts - side >= firsts[starts]) & (starts + span + side < ends[starts])
+            assert both.any() and ((lo < previous[0]) & (hi > previous[1]))[both].all()
+        previous = lo, hi
     assert len(reference) > 10
 
 
-def test_fixed_target_windows_score_every_target_of_each_span_and_nothing_else(corpus):
+def test_centred_windows_score_every_target_of_each_span_and_nothing_else(corpus):
     """Row by row: the scored stream positions are exactly the drawn targets in `[start, start + span)`; a span
     one token short or shifted by one would drop or add one."""
-    span, offset = 8, 5
-    starts = targets.target_starts(corpus, 128, span, 32)
-    w = targets.fixed_target_windows(corpus, 32, offset, starts, span)
+    span = 8
+    starts = targets.centred_spans(corpus, 16, span, 32)
+    w = targets.centred_windows(corpus, 32, starts, span)
     scored = 0
     for row, start in enumerate(starts):
         want = [p for p in range(start, start + span) if corpus.targets[p]]
         assert sorted(w.stream_pos[row][w.weights[row] > 0]) == want
         scored += len(want)
     assert scored > 10
+
+
+def test_a_document_shorter_than_the_window_fills_the_row_and_is_closed_by_its_sep(tok):
+    """Documents of 20 and 60 tokens: a window of 64 around a span of the first holds that document whole, then
+    [SEP] and padding, never the next document's tokens."""
+    special = SpecialIds.from_tokenizer(tok)
+    words = np.arange(10, 90, dtype=np.int32)
+    tokens = np.concatenate([words[:20], [special.sep], words[:60], [special.sep]])
+    corpus = targets.corpus_from_stream(tokens, special, seed=1, mask_prob=0.5)
+    starts = targets.centred_spans(corpus, 16, 4, 64)
+    assert starts.min() == 5 and starts.max() <= 81 - 5 - 4  # a margin of 5 inside each document
+    w = targets.centred_windows(corpus, 64, starts, 4)
+    first = int(np.argmax(starts > 20))  # the first span of the long document
+    for row in range(len(starts)):
+        real = w.stream_pos[row] >= 0
+        doc = (np.arange(20) if row < first else np.arange(21, 81))
+        np.testing.assert_array_equal(np.sort(w.stream_pos[row][real]), doc if len(doc) <= 62 else doc[:62])
+        end = 1 + real.sum()
+        assert w.input_ids[row, end] == special.sep and w.attention_mask[row, : end + 1].all()
+        assert not w.attention_mask[row, end + 1:].any()
+
+
+def test_centred_spans_refuse_a_span_or_a_text_they_cannot_place(corpus, tok):
+    with pytest.raises(ValueError, match="span=15: a target span must fit in the 14 content tokens"):
+        targets.centred_spans(corpus, 16, 15, 8)
+    short = targets.corpus_from_stream(np.array([10, 11, 12], np.int32), SpecialIds.from_tokenizer(tok))
+    with pytest.raises(ValueError, match="longest document has 3 tokens; the centred-target protocol needs a document "
+                                         "of at least 14"):
+        targets.centred_spans(short, 16, 8, 8)
 
 
 def test_loss_is_the_mean_over_tokens_not_over_documents():
@@ -158,13 +203,23 @@ def test_models_with_different_tokenizers_are_flagged_as_unpaired(docs, tok):
 def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
     models = [length_study.EvalModel("deb", s, f"w{s}", tiny(tok), tok, 16) for s in (0, 1)]
     models[1].model = tiny(tok, initializer_range=0.03)
-    settings = length_study.StudySettings(multiples=(1, 2), extra=(16,), num_targets=8, bootstrap=50)
+    settings = length_study.StudySettings(multiples=(1, 2), extra=(8,), num_spans=8, bootstrap=50)
     records, skipped = length_study.run_study(models, {"brown/valid": docs}, settings)
     means = report.aggregate_seeds(records)
     report.write_results(pd.concat([report.records_frame(records), means]), skipped, str(tmp_path))
     loaded = report.read_results_file(tmp_path)["records"]
-    assert {r["protocol"] for r in loaded} == {"chunked", "fixed_target"}
-    assert {r["metric"] for r in loaded} >= {"loss", "accuracy", "perplexity", "loss_change_vs_1x"}
+    assert {r["protocol"] for r in loaded} == {"chunked", "centred_target"}
+    assert {r["metric"] for r in loaded} >= {"loss", "accuracy", "perplexity", "loss_change_vs_1x", "context_gain"}
+    # The gain is each seed's loss of the same targets at N minus at L, with an interval around it.
+    centred = {(r["seed"], r["eval_len"], r["metric"]): r for r in records
+               if r["protocol"] == "centred_target" and r["bucket"] == "all"}
+    for seed in (0, 1):
+        for n in (24, 32):
+            gain = centred[(seed, n, "context_gain")]
+            assert gain["value"] == pytest.approx(centred[(seed, n, "loss")]["value"]
+                                                  - centred[(seed, 16, "loss")]["value"], abs=1e-5)
+            assert gain["ci_low"] <= gain["value"] <= gain["ci_high"] and gain["n_tokens"] > 0
+        assert (seed, 16, "context_gain") not in centred
     mean_loss = [r for r in loaded if r["seed"] == "mean" and r["metric"] == "loss" and r["bucket"] == "all"
                  and r["protocol"] == "chunked"]
     assert mean_loss and all(r["n_seeds"] == 2 and r["ci_low"] <= r["value"] <= r["ci_high"] for r in mean_loss)
@@ -172,8 +227,10 @@ def test_outputs_parse_and_hold_no_nan(tmp_path, docs, tok):
         for field in ("value", "ci_low", "ci_high"):
             assert r[field] is None or math.isfinite(r[field])
     assert "nan" not in gzip.decompress((tmp_path / "results.json.gz").read_bytes()).decode().lower()
-    summary = report.markdown_summary(means, skipped)
+    summary = report.markdown_summary(means, skipped, runs=records)
     assert "| deb | none | 16 |" in summary
+    gain = summary[summary.index("centred_target, context gain"):]
+    assert "| model | policy | L | seed | L+8 | 2x | resolves (nats) | targets |" in gain
     assert len(report.plot_all(means, str(tmp_path))) == 2
 
 
@@ -188,23 +245,24 @@ def test_bad_settings_and_short_text_fail_clearly(tok):
                                length_study.StudySettings(protocols=("chunked",)))
 
 
-def test_fixed_target_settings_that_give_no_targets_are_refused():
-    with pytest.raises(ValueError, match="num_targets=0: the fixed-target protocol needs at least one target span"):
-        length_study.StudySettings(num_targets=0)
+def test_centred_target_settings_that_give_no_targets_are_refused():
+    with pytest.raises(ValueError, match="num_spans=0: the centred-target protocol needs at least one target span"):
+        length_study.StudySettings(num_spans=0)
     with pytest.raises(ValueError, match="span=-2: pass a span length in tokens"):
         length_study.StudySettings(span=-2)
 
 
 def test_a_span_longer_than_a_window_is_listed_as_not_evaluated(tok, docs):
-    """The 1x window cannot hold a span of 20: that row is under "Not evaluated", not silently missing."""
+    """A window of 8 cannot hold a span of 8 (with its [CLS] and [SEP]): that row is under "Not evaluated", not
+    silently missing."""
     models = [length_study.EvalModel("deb", 0, "w", tiny(tok, num_layers=1), tok, 16)]
-    settings = length_study.StudySettings(lengths=(16, 32), protocols=("fixed_target",), span=20, num_targets=2,
+    settings = length_study.StudySettings(lengths=(8, 16, 32), protocols=("centred_target",), num_spans=2,
                                           bootstrap=10)
     records, skipped = length_study.run_study(models, {"d": docs}, settings)
-    assert {r["eval_len"] for r in records} == {32}
+    assert {r["eval_len"] for r in records} == {16, 32}
     assert [(s["eval_len"], s["reason"]) for s in skipped] == [
-        (16, "fixed_target: no window of 16 tokens holds a target span of 20")]
-    assert "- deb / none at length 16: fixed_target: no window" in report.markdown_summary(records, skipped)
+        (8, "centred_target: no window of 8 tokens holds a target span of 8")]
+    assert "- deb / none at length 8: centred_target: no window" in report.markdown_summary(records, skipped)
 
 
 def _workdir(root, name, family="deberta", tokenizer="{}", **changes):

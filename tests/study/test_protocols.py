@@ -58,5 +58,5 @@ def test_results_of_an_unregistered_protocol_still_get_a_table():
 
 
 def test_an_unknown_protocol_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"unknown protocol 'sliding'; choose from \('chunked', 'fixed_target'\)"):
+    with pytest.raises(ValueError, match=r"unknown protocol 'sliding'; choose from \('chunked', 'centred_target'\)"):
         length_study.StudySettings(protocols=("sliding",))

@@ -338,7 +338,7 @@ def test_report_evaluates_each_run_once_and_adds_the_unigram_floor(corpus, tmp_p
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
     plan.data_dir = str(tmp_path / "data")
-    plan.eval.num_targets += 1
+    plan.eval.num_spans += 1
     with pytest.raises(AssertionError, match="evaluated again"):
         sweep.evaluate_and_report(plan, runs, "report")
 
