@@ -280,3 +280,23 @@ def test_plots_are_saved_in_a_palette_that_keeps_their_colours(tmp_path):
     original = np.asarray(Image.open(rendered).convert("RGB"), np.int32)
     error = np.abs(np.asarray(saved.convert("RGB"), np.int32) - original).max(axis=-1)
     assert np.percentile(error, 99) <= 16 and error.max() <= 64
+
+
+def test_the_context_gain_table_says_what_each_row_resolves():
+    """Per seed: the largest half-width of the row's intervals over its lengths and the targets it scored; the mean
+    over seeds: its pooled interval's, with the targets of one seed (not the sum over seeds)."""
+    rows = []
+    for seed, halves in ((0, (0.01, 0.03)), (1, (0.02, 0.005))):
+        for eval_len, half in zip((16, 32), halves):
+            diffs = [-0.5 * (seed + 1), 0.25, -1.0]
+            rows.append(dict(record("a", seed, eval_len, -0.1, metric=report.CONTEXT_GAIN, protocol="centred_target",
+                                    ci=(-0.1 - half, -0.1 + half)), n_tokens=30, doc_diff=diffs, doc_count=[10] * 3))
+    frame = report.records_frame(rows)
+    text = "\n".join(report.paired_markdown(pd.concat([frame, report.aggregate_seeds(frame)], ignore_index=True)))
+    assert "## d: centred_target, context gain: loss of the same targets at N minus at L" in text
+    assert "| a | none | 8 | 0 | -0.100 [-0.110, -0.090] | -0.100 [-0.130, -0.070] | 0.030 | 30 |" in text
+    assert "| 8 | 1 | -0.100 [-0.120, -0.080] | -0.100 [-0.105, -0.095] | 0.020 | 30 |" in text
+    mean = [line for line in text.splitlines() if "| mean |" in line][0]
+    lo, hi = report.pooled_interval(frame[frame["eval_len"] == 16])
+    lo32, hi32 = report.pooled_interval(frame[frame["eval_len"] == 32])
+    assert mean.endswith(f"| {max(hi - lo, hi32 - lo32) / 2:.3f} | 30 |")
