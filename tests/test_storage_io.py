@@ -214,3 +214,17 @@ def test_metrics_in_a_bucket_upload_their_last_events_on_close_unless_told_not_t
     writer.tensorboard.add_scalar("loss", 1.5, 2)  # written locally, not yet uploaded
     writer.close(upload=upload)
     assert (storage.fingerprints(events) != uploaded) == upload
+
+
+def test_the_gcs_server_restarted_after_a_torn_upload_lists_the_bucket_without_it(gcs, bucket):
+    """The fault tests kill the suite's GCS server inside saves. GCS shows an upload whole or not at all; the emulator
+    can be killed between an object's bytes and its metadata, and must then come back listing every whole object and
+    not the torn one (it would otherwise fail every listing of that bucket, and the run would seem to have none)."""
+    storage.write_text(f"{bucket}/run/whole.txt", "kept")
+    folder = gcs.root / bucket.removeprefix("gs://") / "run"
+    (folder / "torn.bin").write_bytes(b"bytes whose metadata the kill prevented")
+    (folder / ".whole.txt1234").write_bytes(b"a temporary file the kill left before its rename")
+    gcs.kill()
+    gcs.start()
+    assert [p.name for p in storage.path(f"{bucket}/run").iterdir()] == ["whole.txt"]
+    assert storage.read_text(f"{bucket}/run/whole.txt") == "kept"
