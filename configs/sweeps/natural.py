@@ -126,6 +126,10 @@ def _variants(arg: str) -> list:
     return [v for v in variants.core() if v.name in NAMES]
 
 
+# `-spread`'s share of long steps over the whole run: as many long steps as `-half<2N>` (half of a fifth).
+SPREAD_SHARE = 0.1
+
+
 def past_variants(seq_len: int, steps: int, reach: int) -> list:
     """The training-side recipes past the window (`deberta_jax.data.row_lengths`) for runs of `steps` at `seq_len`,
     scored to `reach` times it: the last 10% of the updates on rows 4x the training length (the same tokens per
@@ -138,7 +142,10 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     with the key count where the slope cannot; and KERPLE's learned log-distance decay added to DeBERTa's scores
     (`-kerple`, `score_bias="kerple_log"`) on rows of L only, which down-weights far keys without a cut-off instead of
     training on them; and that decay with `-half<2N>`'s phase (`-kerple-long<N>-mixed-half<2N>`), so that the
-    decay's two rates per head are fitted on distances past L, which rows of L never show them."""
+    decay's two rates per head are fitted on distances past L, which rows of L never show them; and the decay with
+    the same number of long steps spread through the whole run, one step in ten (`-kerple-long<N>-mixed-spread`), so
+    that the rest of the model learns beside far keys from the start instead of adapting to them at the end, while
+    nine steps in ten stay on rows of L."""
     def long(multiple, share=1.0, phase=steps // 10, **data):
         train = dict(long_steps=phase, **({"long_share": share} if share != 1 else {}))
         return dict(train=train, data=dict(long_seq_len=multiple * seq_len, **data))
@@ -161,6 +168,9 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
             variants.variant("deberta-emd-kerple", variants.DEBERTA, score_bias="kerple_log"),
             variants.variant(f"deberta-emd-kerple-long{reach * seq_len}-mixed-half{steps // 5}", variants.DEBERTA,
                              **long(reach, share=0.5, phase=steps // 5, min_row_length=seq_len),
+                             score_bias="kerple_log", **_room_for(reach * seq_len)),
+            variants.variant(f"deberta-emd-kerple-long{reach * seq_len}-mixed-spread", variants.DEBERTA,
+                             **long(reach, share=SPREAD_SHARE, phase=steps, min_row_length=seq_len),
                              score_bias="kerple_log", **_room_for(reach * seq_len))]
 
 
@@ -197,7 +207,7 @@ def get_config(arg: str = ""):
            f"{seq_len // 4}-{seq_len} tokens; `-long<N>-mixed` runs trained their last {steps // 10:,} steps on "
            f"rows of N tokens each cut to a random length of {seq_len}-N (`-half`: every other one of those "
            f"steps on full rows of {seq_len} instead; `-half{steps // 5}`: the same over the last {steps // 5:,} "
-           "steps); `-rate` runs trained the factor "
+           f"steps; `-spread`: one step in ten of the whole run on those rows); `-rate` runs trained the factor "
            f"1 + r_h log(n / {seq_len}) instead of the slope." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from configs import bert, common, deberta
+from deberta_jax.data import row_lengths
 from deberta_jax.model import biases
 from deberta_jax.model.config import OWN_VARIANTS, ConfigError
 from deberta_jax.train.config_checks import resolved, validate
@@ -190,12 +191,14 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                          "deberta-emd-learned-long256-mixed", "deberta-emd-learned-long512-mixed",
                          "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
                          "deberta-emd-learned-long2048-mixed-half2000", "deberta-emd-rate-long512-mixed",
-                         "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half2000"],
+                         "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half2000",
+                         "deberta-emd-kerple-long2048-mixed-spread"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
                                "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
                                "deberta-emd-learned-long2048-mixed-half1000", "deberta-emd-rate-long1024-mixed",
-                               "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half1000"],
+                               "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half1000",
+                               "deberta-emd-kerple-long2048-mixed-spread"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -211,10 +214,17 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                                                    (steps, 4 * n, n, n), (steps, 8 * n, n, n),
                                                    (steps, reach * n, n, n), (steps, reach * n, n, n),
                                                    (2 * steps, reach * n, n, n), (steps, 8 * n, n, n),
-                                                   (0, 0, 0, n), (2 * steps, reach * n, n, n)])
+                                                   (0, 0, 0, n), (2 * steps, reach * n, n, n),
+                                                   (10 * steps, reach * n, n, n)])
         half = f"deberta-emd-learned-long{reach * n}-mixed-half"  # every other step of the longest phase on L
         kerple_half = f"deberta-emd-kerple-long{reach * n}-mixed-half{2 * steps}"
         assert shares.pop(half) == shares.pop(f"{half}{2 * steps}") == shares.pop(kerple_half) == 0.5
+        # Spread through the whole run, the same number of long steps as the half phase of twice the steps.
+        spread = f"deberta-emd-kerple-long{reach * n}-mixed-spread"
+        assert resolved[spread].train.long_steps == resolved[spread].train.num_steps
+        assert resolved[spread].model.score_bias == "kerple_log"
+        assert (row_lengths.long_step_count(resolved[spread].train.long_steps, shares.pop(spread))
+                == row_lengths.long_step_count(2 * steps, 0.5))
         assert set(shares.values()) == {1.0}
         assert lengths[half] == lengths[f"deberta-emd-learned-long{reach * n}-mixed"]
         assert resolved[f"deberta-emd-rate-long{8 * n}-mixed"].model.attention_temperature == "learned_rate"
