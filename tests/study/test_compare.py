@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -150,3 +151,57 @@ def test_a_report_written_by_the_study_is_read_seed_by_seed(tmp_path):
     assert list(rises.index) == [0, 1, "mean"]
     assert rises.loc["mean", "rise 2x"] == pytest.approx(0.2)
     assert compare.fixed_targets(loaded).loc[("brown/valid", "centred_target", "plain"), 128] == pytest.approx(4.3)
+
+
+def window_records(model, seed, one_x, losses, source=None):
+    """The chunked loss of `model` scored with its own window (`model+window_global`) at each multiple."""
+    rows = records(f"{model}+window_global", seed, one_x, {m: v - one_x for m, v in losses.items()}, {})
+    return [dict(r, source=source or f"runs/{model}-s{seed}") for r in rows]
+
+
+def test_the_trade_between_1x_and_context_use_reads_paired_records_or_one_runs_two_losses(tmp_path):
+    """Each model's 1x cost against the baseline at the same seed, and its context use (full attention minus its own
+    window on the same chunks): from the paired records with their pooled interval where the study has them, else
+    from each seed's two overall losses of one run (the same mean, no interval); two runs' losses are refused."""
+    rows = records("plain", 0, 3.70, {8: 0.30}, {}) + records("plain", 1, 3.80, {8: 0.20}, {})
+    rows += window_records("plain", 0, 3.70, {8: 3.75}) + window_records("plain", 1, 3.80, {8: 3.82})
+    rows += records("recipe", 0, 3.72, {8: -0.01}, {}) + records("recipe", 1, 3.83, {8: -0.03}, {})
+    rows += [paired("recipe", 0, [-2.0, -1.0, 0.5, -3.0], [10, 10, 10, 10]),
+             paired("recipe", 1, [-1.0, -2.0, -1.0, -2.0], [10, 10, 10, 10])]
+    report.write_results(rows, [], str(tmp_path / "study"))
+    loaded = compare.load([str(tmp_path / "study")], ["plain", "plain+window_global", "recipe"])
+    table = compare.trade(loaded, "plain").set_index("model")
+    assert set(table.index) == {"plain", "recipe"}  # the window's own row is read beside its model
+    assert table.loc["recipe", "cost"] == pytest.approx(0.025)  # (0.02 + 0.03) / 2, seed against seed
+    assert table.loc["recipe", "use"] == pytest.approx(-0.14375)
+    lo, hi = report.pooled_interval(loaded[loaded["metric"].str.startswith(report.CONTEXT_USE)])
+    assert (table.loc["recipe", "low"], table.loc["recipe", "high"], table.loc["recipe", "paired"]) == (
+        pytest.approx(lo), pytest.approx(hi), True)
+    assert table.loc["plain", "use"] == pytest.approx(((4.00 - 3.75) + (4.00 - 3.82)) / 2)
+    assert np.isnan(table.loc["plain", "low"]) and not table.loc["plain", "paired"]
+    text = "\n".join(compare.trade_markdown(compare.trade(loaded, "plain"), "plain"))
+    assert "| brown/valid | plain | 2 | +0.000 | +0.215 * |" in text
+    assert f"| brown/valid | recipe | 2 | +0.025 | -0.144 [{lo:+.3f}, {hi:+.3f}] |" in text
+    assert compare.trade_multiples(compare.trade(loaded, "plain"), []) == [8.0]
+    with pytest.raises(ValueError, match=r"--trade_at: no context use at \[32\]x; the models were scored at 8x"):
+        compare.trade_multiples(compare.trade(loaded, "plain"), [32])
+
+    rows = [r for r in rows if r["model"] != "plain+window_global"]
+    rows += window_records("plain", 0, 3.70, {8: 3.75}, source="runs/another-s0")
+    report.write_results(rows, [], str(tmp_path / "two-runs"))
+    with pytest.raises(ValueError, match="plain and plain\\+window_global at seed 0 come from different runs"):
+        compare.trade(compare.load([str(tmp_path / "two-runs")], ["plain", "plain+window_global"]), "plain")
+
+
+def test_the_command_plots_the_trade_with_a_baseline(tmp_path):
+    rows = records("plain", 0, 3.70, {8: 0.30, 32: 0.9}, {}) + window_records("plain", 0, 3.70, {8: 3.75, 32: 3.8})
+    rows += records("recipe", 0, 3.72, {8: -0.01, 32: 0.0}, {}) + window_records("recipe", 0, 3.72, {8: 3.8, 32: 3.7})
+    report.write_results(rows, [], str(tmp_path / "study"))
+    result = subprocess.run([sys.executable, "-m", "deberta_jax.study.compare", "--results", str(tmp_path / "study"),
+                             "--models", "recipe,recipe+window_global,plain+window_global", "--baseline", "plain",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| brown/valid | recipe | 1 | +0.020 | -0.090 * | +0.020 * |" in result.stdout
+    assert (tmp_path / "out" / "trade.png").stat().st_size > 1000
+    # Shared words dropped; a label they would empty keeps its whole name.
+    assert compare.short_names(["deberta-emd-L64", "deberta-emd-kerple-L64"]) == ["deberta-emd-L64", "kerple"]
