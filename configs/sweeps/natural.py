@@ -62,7 +62,9 @@ head: `-r1 log(1 + r2 |i - j|)`) and trains on rows of 64 only, at the plain mod
 training on more keys, it down-weights the far ones at every length. `-kerple-long2048-mixed-half2000` gives the
 decay `-half2000`'s phase (without the learned temperature): on rows of 64 the decay's rates only ever see distances
 under 64 and stay near their start, so its shape past L is an extrapolation; the long rows fit it there, while the
-decay's gain at 1x may pay for the phase's cost there. Its
+decay's gain at 1x may pay for the phase's cost there. `-kerple-sigmoid-long2048-mixed-half2000` is that run with
+sigmoid weights instead of a softmax (`attention_weights="sigmoid"`): each key weighs the sigmoid of its own score,
+so the keys past L add what the decay leaves them without diluting the weights of the keys within L. Its
 runs share runs/natural with `:far`, whose `deberta-emd` and
 `deberta-emd-learned` are the baselines; its report goes to results/natural-past. `:past-scale` is the same recipes
 at `:scale`'s size (4 x 128 at length 128, 5,000 steps: the last 500 on rows of 512, or on rows of 512, 1,024 or
@@ -145,7 +147,9 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
     decay's two rates per head are fitted on distances past L, which rows of L never show them; and the decay with
     the same number of long steps spread through the whole run, one step in ten (`-kerple-long<N>-mixed-spread`), so
     that the rest of the model learns beside far keys from the start instead of adapting to them at the end, while
-    nine steps in ten stay on rows of L."""
+    nine steps in ten stay on rows of L; and the decay with `-half<2N>`'s phase under sigmoid weights
+    (`-kerple-sigmoid-long<N>-mixed-half<2N>`, `attention_weights="sigmoid"`), where each key's weight is its own, so
+    the far keys a longer row adds cannot take weight from the near ones (a softmax's dilution)."""
     def long(multiple, share=1.0, phase=steps // 10, **data):
         train = dict(long_steps=phase, **({"long_share": share} if share != 1 else {}))
         return dict(train=train, data=dict(long_seq_len=multiple * seq_len, **data))
@@ -171,7 +175,10 @@ def past_variants(seq_len: int, steps: int, reach: int) -> list:
                              score_bias="kerple_log", **_room_for(reach * seq_len)),
             variants.variant(f"deberta-emd-kerple-long{reach * seq_len}-mixed-spread", variants.DEBERTA,
                              **long(reach, share=SPREAD_SHARE, phase=steps, min_row_length=seq_len),
-                             score_bias="kerple_log", **_room_for(reach * seq_len))]
+                             score_bias="kerple_log", **_room_for(reach * seq_len)),
+            variants.variant(f"deberta-emd-kerple-sigmoid-long{reach * seq_len}-mixed-half{steps // 5}",
+                             variants.DEBERTA, **long(reach, share=0.5, phase=steps // 5, min_row_length=seq_len),
+                             score_bias="kerple_log", attention_weights="sigmoid", **_room_for(reach * seq_len))]
 
 
 def _room_for(length: int) -> dict:
@@ -208,7 +215,9 @@ def get_config(arg: str = ""):
            f"rows of N tokens each cut to a random length of {seq_len}-N (`-half`: every other one of those "
            f"steps on full rows of {seq_len} instead; `-half{steps // 5}`: the same over the last {steps // 5:,} "
            f"steps; `-spread`: one step in ten of the whole run on those rows); `-rate` runs trained the factor "
-           f"1 + r_h log(n / {seq_len}) instead of the slope." if arg.startswith("past") else ""))
+           f"1 + r_h log(n / {seq_len}) instead of the slope; `-kerple` runs add a learned log-distance decay per "
+           f"head to the scores, `-sigmoid` runs weigh each key by sigmoid(score - log {seq_len}) instead of a "
+           "softmax." if arg.startswith("past") else ""))
     sweep.data_dir = DEFAULT_DATA_DIR
     data = sweep.get_ref("data_dir")
     sweep.variants = past_variants(seq_len, steps, multiples[-1]) if arg.startswith("past") else _variants(arg)

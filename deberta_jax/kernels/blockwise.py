@@ -6,6 +6,10 @@ neither pass holds more than `[B, H, Nq, block_size]` of scores: the dense kerne
 evaluation at 8k+ tokens. The key side of the `ScoreTerms` (keys, DeBERTa's p2c) is cut into blocks; the query
 side (queries, c2p, a per-distance bias) is read whole by every block.
 
+Under sigmoid weights (`sigmoid_bias`, `ModelConfig.attention_weights`) a key's weight is final when its block is
+scored, so the scan keeps only the weighted sum, and the backward pass recomputes each block's weights from the
+scores alone.
+
 Attention dropout draws each block's mask from its positions (`dropout_keep`) and draws it again in the backward
 pass: the dense kernel's mask, whatever the block size.
 """
@@ -61,7 +65,8 @@ def dropout_keep(key: jax.Array, block: jax.Array | int, shape: tuple[int, ...],
 
 
 def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *, block_size: int,
-                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None) -> jax.Array:
+                        dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+                        sigmoid_bias: float | None = None) -> jax.Array:
     """The result of `dense_attention` (up to float rounding and dropout bits) in memory linear in `Nk`.
 
     Keys are padded to a multiple of `block_size` (padding keys score -inf, so they weigh nothing even in a row
@@ -81,22 +86,25 @@ def blockwise_attention(terms: ScoreTerms, v: jax.Array, key_mask: jax.Array, *,
         keys=jax.tree.map(cut, terms.key_side()), values=cut(v),
         mask=jnp.pad(key_mask, [(0, 0), (0, pad)]).reshape(-1, num_blocks, size).swapaxes(0, 1),
         dropout_key=dropout_key if dropout_rate > 0 else None, num_keys=n_k)
-    return _online_softmax(float(dropout_rate) if blocks.dropout_key is not None else 0.0, blocks)
+    rate = float(dropout_rate) if blocks.dropout_key is not None else 0.0
+    return _block_attention(rate, None if sigmoid_bias is None else float(sigmoid_bias), blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _online_softmax(rate: float, blocks: Blocks) -> jax.Array:
-    return _online_softmax_fwd(rate, blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _block_attention(rate: float, sigmoid_bias: float | None, blocks: Blocks) -> jax.Array:
+    return _block_attention_fwd(rate, sigmoid_bias, blocks)[0]
 
 
-def _online_softmax_fwd(rate, blocks: Blocks):
-    """The output, with what the backward pass needs: the blocks, the output and each row's log-sum-exp."""
-    out, lse = _scan_forward(rate, blocks)
+def _block_attention_fwd(rate, sigmoid_bias, blocks: Blocks):
+    """The output, with what the backward pass needs: the blocks, the output and each row's log-sum-exp (unused
+    under sigmoid weights)."""
+    out, lse = _scan_forward(rate, sigmoid_bias, blocks)
     return out, (blocks, out, lse)
 
 
-def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
-    """Scan over key blocks keeping the running row maximum `m`, normalizer `norm` and weighted sum."""
+def _scan_forward(rate: float, sigmoid_bias: float | None, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
+    """Scan over key blocks keeping the running row maximum `m`, normalizer `norm` and weighted sum (the sum only,
+    under sigmoid weights)."""
     num_blocks, _, _, _, d = blocks.values.shape
     first = jax.tree.map(lambda x: x[0], blocks.keys)
     b, h, n_q, _ = jax.eval_shape(lambda kb, mb: blocks.scores(0, kb, mb), first, blocks.mask[0]).shape
@@ -105,12 +113,15 @@ def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
         m, norm, acc = carry
         block, key_block, value_block, mask_block = xs
         scores = blocks.scores(block, key_block, mask_block)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        norm = norm * correction + p.sum(axis=-1)
+        if sigmoid_bias is None:
+            m_new = jnp.maximum(m, scores.max(axis=-1))
+            correction = jnp.exp(m - m_new)[..., None]
+            p = jnp.exp(scores - m_new[..., None])
+            norm = norm * correction[..., 0] + p.sum(axis=-1)
+        else:  # final weights: nothing earlier to rescale
+            m_new, correction, p = m, 1.0, jax.nn.sigmoid(scores + sigmoid_bias)
         keep = dropout_keep(blocks.dropout_key, block, p.shape, rate) if rate else None
-        acc = acc * correction[..., None] + jnp.einsum(
+        acc = acc * correction + jnp.einsum(
             "bhij,bhjd->bhid", dropout_masks.apply(p, keep, rate).astype(value_block.dtype), value_block,
             preferred_element_type=jnp.float32)
         return (m_new, norm, acc), None
@@ -118,12 +129,15 @@ def _scan_forward(rate: float, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
     init = (jnp.full((b, h, n_q), -jnp.inf), jnp.zeros((b, h, n_q)), jnp.zeros((b, h, n_q, d)))
     xs = (jnp.arange(num_blocks), blocks.keys, blocks.values, blocks.mask)
     (m, norm, acc), _ = jax.lax.scan(body, init, xs)
+    if sigmoid_bias is not None:
+        return acc.astype(blocks.values.dtype), m
     return (acc / norm[..., None]).astype(blocks.values.dtype), m + jnp.log(norm)
 
 
-def _online_softmax_bwd(rate, residuals, d_out):
+def _block_attention_bwd(rate, sigmoid_bias, residuals, d_out):
     """FlashAttention's backward pass: per block, recompute the probabilities `exp(s - lse)` and pull
-    the score gradient `p * (dp - rowsum(d_out * out))` back through the score terms' own VJP."""
+    the score gradient `p * (dp - rowsum(d_out * out))` back through the score terms' own VJP; under sigmoid
+    weights the weights are `sigmoid(s + bias)` and the score gradient `dp * p * (1 - p)`."""
     blocks, out, lse = residuals
     d_out32 = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1)
@@ -132,12 +146,12 @@ def _online_softmax_bwd(rate, residuals, d_out):
         block, key_block, value_block, mask_block = xs
         scores, pull = jax.vjp(lambda qs, kb: blocks.scores(block, kb, mask_block, queries=qs),
                                blocks.queries, key_block)
-        p = jnp.exp(scores - lse[..., None])
+        p = jnp.exp(scores - lse[..., None]) if sigmoid_bias is None else jax.nn.sigmoid(scores + sigmoid_bias)
         keep = dropout_keep(blocks.dropout_key, block, p.shape, rate) if rate else None
         d_value = jnp.einsum("bhij,bhid->bhjd", dropout_masks.apply(p, keep, rate).astype(value_block.dtype),
                              d_out.astype(value_block.dtype), preferred_element_type=jnp.float32)
         dp = dropout_masks.apply(jnp.einsum("bhid,bhjd->bhij", d_out32, value_block.astype(jnp.float32)), keep, rate)
-        d_qs, d_key = pull(p * (dp - delta[..., None]))
+        d_qs, d_key = pull(p * (dp - delta[..., None]) if sigmoid_bias is None else dp * p * (1 - p))
         d_queries = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_queries, d_qs)
         return d_queries, (d_key, d_value.astype(value_block.dtype))
 
@@ -150,4 +164,4 @@ def _online_softmax_bwd(rate, residuals, d_out):
                                 dropout_key=None),)
 
 
-_online_softmax.defvjp(_online_softmax_fwd, _online_softmax_bwd)
+_block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)

@@ -154,5 +154,5 @@ class SelfAttention(nnx.Module):
         if ctx.bias is not None:
             terms = dataclasses.replace(terms, bias=ctx.bias, bias_index=ctx.bias_index)
         dropout_key = rngs.dropout() if rngs is not None and cfg.attention_dropout > 0 else None
-        kernel = dispatch.attention_kernel(cfg.attention_kernel, cfg.attention_block_size)
+        kernel = dispatch.attention_kernel(cfg.attention_kernel, cfg.attention_block_size, cfg.sigmoid_bias)
         return merge_heads(kernel(terms, v, key_mask, dropout_rate=cfg.attention_dropout, dropout_key=dropout_key))

@@ -8,10 +8,11 @@ lives here so a bad sweep value fails at start-up with the field's name, not dee
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
-from deberta_jax.kernels.dispatch import KERNELS
+from deberta_jax.kernels.dispatch import KERNELS, SIGMOID_KERNELS
 from deberta_jax.model.biases import SCHEMES
 
 # The variants with their own score terms; every registered bias scheme (`biases.SCHEMES`) is one more variant, the
@@ -50,6 +51,8 @@ RELATIVE_POSITION_POLICIES = ("exact", "interpolate")
 ATTENTION_TEMPERATURES = ("none", "log_length", "learned", "learned_rate")
 # The temperatures with a parameter per head and layer (`positions.learned_temperature`): models, not options.
 LEARNED_TEMPERATURES = ("learned", "learned_rate")
+# How a query's scores become weights of its keys (`ModelConfig.attention_weights`).
+ATTENTION_WEIGHTS = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -64,7 +67,7 @@ def _fail(field: str, value: Any, fix: str) -> None:
 class ModelConfig:
     """Shape and position scheme of a masked-LM encoder.
 
-    `attention` is the attention *variant* (how scores are made; the softmax kernel is shared):
+    `attention` is the attention *variant* (how scores are made; the kernel that weighs the keys is shared):
       - "entangled": BERT's single dot product; positions reach attention only through the input
         (`position_biased_input=True` gives BERT). With `position_biased_input=False` the encoder has
         no position information at all ("NoPE", the floor of the comparison): it is permutation-
@@ -80,6 +83,15 @@ class ModelConfig:
     Every variant can be combined with absolute positions at the input (`position_biased_input`), and every variant
     that is not itself a bias scheme with one bias scheme added to its scores (`score_bias`, "none" by default):
     DeBERTa with KERPLE's log decay is `attention="disentangled", score_bias="kerple_log"`.
+
+    `attention_weights` is how a query's scores become the weights of its keys: "softmax" (every published model)
+    normalizes them over the keys, so each key a longer sequence adds takes weight from the others; "sigmoid"
+    weighs each key by `sigmoid(s_ij - log L)` on its own (sigmoid attention, Ramapuram et al. 2024, whose bias
+    `-log n` is fixed here at the training length L, so the bias does not move with the evaluation length). A key's
+    weight then depends on its own score only: keys past L cannot dilute the weights of those within L, and add
+    to the output only the weight their scores (a distance decay's, `score_bias="kerple_log"`) leave them. On a
+    row of L keys with equal scores the weights sum to about 1 (`L / (L + 1)`), where a softmax starts. It is part
+    of the model (a trained model keeps it), carried by the dense and blockwise kernels only.
 
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
     materializes `[B, H, N, N]` scores (fastest while they fit), "blockwise" runs an online softmax
@@ -215,6 +227,7 @@ class ModelConfig:
     attention_window: int = 0
     window_global_tokens: bool = False
     relative_position_policy: str = "exact"
+    attention_weights: str = "softmax"
 
     def __post_init__(self):
         # Accept lists and "c2p|p2c" strings (transformers' spelling) but store a sorted tuple so
@@ -254,6 +267,11 @@ class ModelConfig:
         if self.attention in SCHEMES:
             return self.attention
         return None if self.score_bias == "none" else self.score_bias
+
+    @property
+    def sigmoid_bias(self) -> float | None:
+        """The bias every score gets under sigmoid weights, `-log L` (`attention_weights`); None under a softmax."""
+        return -math.log(self.effective_trained_length) if self.attention_weights == "sigmoid" else None
 
     @property
     def uses_distances(self) -> bool:
@@ -349,6 +367,12 @@ class ModelConfig:
             _fail("attention_kernel", self.attention_kernel,
                   f"carries one bias per head and distance, and the bias scheme {self.bias_scheme!r} has one per row "
                   "(BiasScheme.per_row); use attention_kernel='dense' or 'blockwise'")
+        if self.attention_weights not in ATTENTION_WEIGHTS:
+            _fail("attention_weights", self.attention_weights, f"choose one of {ATTENTION_WEIGHTS}")
+        if self.attention_weights != "softmax" and self.attention_kernel not in SIGMOID_KERNELS:
+            _fail("attention_kernel", self.attention_kernel,
+                  f"normalizes scores with a softmax only, and attention_weights={self.attention_weights!r}; use "
+                  f"one of {SIGMOID_KERNELS}")
         if self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size,
                   "must be a positive integer (keys per block of the blockwise kernel, e.g. 512)")

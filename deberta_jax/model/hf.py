@@ -374,6 +374,8 @@ def _refusals(cfg: ModelConfig) -> list[str]:
         # narrower than the training length even at the training length), and transformers can do neither.
         ("attention_window", cfg.attention_window != 0,
          "transformers attends to every key, so its logits differ on every sequence longer than the window"),
+        ("attention_weights", cfg.attention_weights != "softmax",
+         "transformers' BERT and DeBERTa-v2 weigh keys by a softmax of their scores"),
         ("attention_temperature", cfg.attention_temperature != "none",
          "transformers scales no attention score by the number of keys, so its logits differ past the training "
          "length"),

@@ -209,6 +209,7 @@ def test_an_unfinished_run_is_exported_with_a_note_saying_so(tmp_path, tokenizer
     # A window below the training length changes the logits at the training length itself.
     (dict(trained_length=32, attention_window=4), "attention_window"),
     (dict(trained_length=32, attention_temperature="log_length"), "attention_temperature"),
+    (dict(attention_weights="sigmoid"), "attention_weights"),
 ])
 def test_what_transformers_cannot_express_is_refused_by_field(fields, field):
     with pytest.raises(hf.ExportError, match=rf"model\.{field}="):

@@ -192,13 +192,14 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                          "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
                          "deberta-emd-learned-long2048-mixed-half2000", "deberta-emd-rate-long512-mixed",
                          "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half2000",
-                         "deberta-emd-kerple-long2048-mixed-spread"],
+                         "deberta-emd-kerple-long2048-mixed-spread", "deberta-emd-kerple-sigmoid-long2048-mixed-half2000"],
                 "past-scale": ["deberta-emd-long512", "deberta-emd-learned-long512", "deberta-emd-learned-mixed32",
                                "deberta-emd-learned-long512-mixed", "deberta-emd-learned-long1024-mixed",
                                "deberta-emd-learned-long2048-mixed", "deberta-emd-learned-long2048-mixed-half",
                                "deberta-emd-learned-long2048-mixed-half1000", "deberta-emd-rate-long1024-mixed",
                                "deberta-emd-kerple", "deberta-emd-kerple-long2048-mixed-half1000",
-                               "deberta-emd-kerple-long2048-mixed-spread"],
+                               "deberta-emd-kerple-long2048-mixed-spread",
+                               "deberta-emd-kerple-sigmoid-long2048-mixed-half1000"],
                 }.get(arg, natural.NAMES)
     assert sorted(resolved) == sorted(expected)
     if arg == "flat":  # the published v3 table at the training length of the others
@@ -215,10 +216,12 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
                                                    (steps, reach * n, n, n), (steps, reach * n, n, n),
                                                    (2 * steps, reach * n, n, n), (steps, 8 * n, n, n),
                                                    (0, 0, 0, n), (2 * steps, reach * n, n, n),
-                                                   (10 * steps, reach * n, n, n)])
+                                                   (10 * steps, reach * n, n, n), (2 * steps, reach * n, n, n)])
         half = f"deberta-emd-learned-long{reach * n}-mixed-half"  # every other step of the longest phase on L
         kerple_half = f"deberta-emd-kerple-long{reach * n}-mixed-half{2 * steps}"
-        assert shares.pop(half) == shares.pop(f"{half}{2 * steps}") == shares.pop(kerple_half) == 0.5
+        sigmoid_half = f"deberta-emd-kerple-sigmoid-long{reach * n}-mixed-half{2 * steps}"
+        assert (shares.pop(half) == shares.pop(f"{half}{2 * steps}") == shares.pop(kerple_half)
+                == shares.pop(sigmoid_half) == 0.5)
         # Spread through the whole run, the same number of long steps as the half phase of twice the steps.
         spread = f"deberta-emd-kerple-long{reach * n}-mixed-spread"
         assert resolved[spread].train.long_steps == resolved[spread].train.num_steps
@@ -231,6 +234,12 @@ def test_natural_sweep_gives_every_variant_the_same_valid_recipe(arg):
         assert resolved["deberta-emd-kerple"].model.score_bias == "kerple_log"  # rows of L only, as the baseline
         assert (resolved[kerple_half].model.score_bias, resolved[kerple_half].model.attention_temperature) == (
             "kerple_log", resolved["deberta-emd-kerple"].model.attention_temperature)
+        # The same run as the decay's half phase but for the weights: the comparison isolates the sigmoid.
+        assert ({k: v for k, v in resolved[sigmoid_half].to_dict().items() if k not in ("model", "workdir")}
+                == {k: v for k, v in resolved[kerple_half].to_dict().items() if k not in ("model", "workdir")})
+        assert {k for k, v in resolved[sigmoid_half].model.items() if resolved[kerple_half].model[k] != v} == {
+            "attention_weights"}
+        assert resolved[sigmoid_half].model.attention_weights == "sigmoid"
         # Relative models train on rows of at most max_position_embeddings: the longest phase needs room.
         assert resolved[f"deberta-emd-learned-long{reach * n}-mixed"].model.max_position_embeddings == reach * n
     recipes = {name: (c.data.mask_prob, c.model.hidden_dropout, c.model.attention_dropout,
