@@ -90,7 +90,7 @@ class ModelConfig:
     `-log n` is fixed here at the training length L, so the bias does not move with the evaluation length). A key's
     weight then depends on its own score only: keys past L cannot dilute the weights of those within L, and add
     to the output only the weight their scores (a distance decay's, `score_bias="kerple_log"`) leave them. On a
-    row of L keys with equal scores the weights sum to about 1 (`L / (L + 1)`), where a softmax starts. It is part
+    row of L keys scoring 0 the weights sum to `L / (L + 1)`, about the softmax's 1. It is part
     of the model (a trained model keeps it), carried by the dense and blockwise kernels only.
 
     `attention_kernel` is how any variant's scores become outputs (`deberta_jax.kernels`): "dense"
