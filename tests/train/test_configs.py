@@ -288,7 +288,8 @@ def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
     """Every variant the sweeps train (DeBERTa and its ablations, BERT, RoPE, ALiBi, T5 bias, NoPE, the absolute
     baselines, the learned temperature) validates as a training config with attention_kernel=pallas_tpu and the
     published attention dropout 0.1, and takes every length method the study applies to it (log_length, window,
-    window_global, interpolate_distances) with the kernel."""
+    window_global, interpolate_distances) with the kernel; a variant with sigmoid weights, which only the dense and
+    blockwise kernels carry, is refused at start-up naming the kernel."""
     from deberta_jax.study import length_study
 
     seen, methods_seen, checked = set(), set(), set()
@@ -300,6 +301,10 @@ def test_every_sweep_variant_trains_and_is_scored_with_the_tpu_kernel():
             if key in checked:  # the same run family in another sweep
                 continue
             checked.add(key)
+            if config.model.attention_weights != "softmax":
+                with pytest.raises(ConfigError, match=r"attention_kernel='pallas_tpu'.*softmax only.*'dense'"):
+                    validate(config, num_devices=1)
+                continue
             model = validate(config, num_devices=1)
             assert (model.attention_kernel, model.attention_dropout) == ("pallas_tpu", 0.1), (label, variant.name)
             seen.add(model.attention)
