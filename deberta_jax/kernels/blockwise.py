@@ -102,7 +102,7 @@ def _block_attention_fwd(rate, sigmoid_bias, blocks: Blocks):
     return out, (blocks, out, lse)
 
 
-def _scan_forward(rate: float, sigmoid_bias: float | None, blocks: Blocks) -> tuple[jax.Array, jax.Array]:
+def _scan_forward(rate: float, sigmoid_bias: float | None, blocks: Blocks) -> tuple[jax.Array, jax.Array | None]:
     """Scan over key blocks keeping the running row maximum `m`, normalizer `norm` and weighted sum (the sum only,
     under sigmoid weights)."""
     num_blocks, _, _, _, d = blocks.values.shape
@@ -129,8 +129,8 @@ def _scan_forward(rate: float, sigmoid_bias: float | None, blocks: Blocks) -> tu
     init = (jnp.full((b, h, n_q), -jnp.inf), jnp.zeros((b, h, n_q)), jnp.zeros((b, h, n_q, d)))
     xs = (jnp.arange(num_blocks), blocks.keys, blocks.values, blocks.mask)
     (m, norm, acc), _ = jax.lax.scan(body, init, xs)
-    if sigmoid_bias is not None:
-        return acc.astype(blocks.values.dtype), m
+    if sigmoid_bias is not None:  # no normalizer: the backward pass recomputes the weights from the scores alone
+        return acc.astype(blocks.values.dtype), None
     return (acc / norm[..., None]).astype(blocks.values.dtype), m + jnp.log(norm)
 
 
